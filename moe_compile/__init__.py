@@ -1,0 +1,8 @@
+"""moe_compile: compile a single-device Mixture-of-Experts model into an expert-parallel program."""
+
+from .api import moe_compile
+from .compiled import CompiledMoE
+from .mesh import MeshSpec
+
+__all__ = ["CompiledMoE", "MeshSpec", "moe_compile"]
+__version__ = "0.1.0"

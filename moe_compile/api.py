@@ -1,0 +1,92 @@
+"""moe_compile(): front end → passes → codegen → runtime, returning a CompiledMoE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .backend import MoEBackend
+from .compiled import CompiledMoE
+from .errors import MeshError
+from .frontend import canonicalize, recognize
+from .mesh import MeshSpec
+from .options import CompileOptions
+from .program import Program
+from .runtime import AllToAllTransport, LocalTransport, RuntimeContext, RuntimeStats, register_context
+from .train import MultiGroupDistributedDataParallel, ParamFamily
+
+
+def _configure_dynamo() -> None:
+    # Each CompiledMoE is its own cache entry of the model class's forward; never fall back to eager
+    # silently when many are compiled in one process.
+    import torch._dynamo.config as dc
+
+    dc.recompile_limit = max(dc.recompile_limit, 64)
+    dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 1024)
+    dc.fail_on_recompile_limit_hit = True
+
+
+def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options: Any) -> CompiledMoE:
+    """Compile an ordinary single-device MoE ``model`` into an expert-parallel program on ``mesh``.
+
+    Called identically on every rank of an initialised torch.distributed world (or in a single
+    process for a one-rank mesh). Takes ownership of ``model``: its routed-expert weights are replaced
+    by this rank's shard. Options: see :class:`CompileOptions`.
+    """
+    opts = CompileOptions.from_kwargs(options)
+    if isinstance(mesh, str):
+        mesh = MeshSpec.parse(mesh)
+    mesh = mesh or MeshSpec()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    spec = mesh.resolve(world)
+    if spec.pp > 1:
+        raise MeshError(f"mesh {spec}: pipeline parallelism (pp={spec.pp}) is not supported by the runtime yet")
+    if spec.cp > 1:
+        raise MeshError(f"mesh {spec}: context parallelism (cp={spec.cp}) needs context-parallel attention, "
+                        "which the runtime does not provide yet")
+    groups = spec.build() if dist.is_initialized() else None
+    if groups is not None:
+        _broadcast_from_rank0(model)
+    blocks = recognize(model)
+    for s, _ in blocks:
+        if s.experts.num_experts % spec.ep_mp:
+            raise MeshError(
+                f"{s.path}: {s.experts.num_experts} routed experts cannot be split evenly over ep_mp={spec.ep_mp}"
+            )
+    ep_rank = groups.ep_rank if groups else 0
+    stats = RuntimeStats()
+    transport = AllToAllTransport(groups.ep_mp, stats) if spec.ep_mp > 1 else LocalTransport(stats)
+    ctx_id = register_context(RuntimeContext(transport, stats))
+    canonicalize(blocks, spec.ep_mp, ep_rank, ctx_id)
+    program = Program(
+        blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
+        ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local",
+    )
+    ddp = _reducer(model, program, groups) if groups is not None else None
+    _configure_dynamo()
+    compiled = torch.compile(model, backend=MoEBackend(program), fullgraph=opts.fullgraph, dynamic=False)
+    return CompiledMoE(model, program, groups, ddp, compiled)
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights (as DDP does), before experts are sharded."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistributedDataParallel:
+    expert_names = {n for s in program.blocks.values() for n in (s.in_name, s.out_name)}
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        (expert if name in expert_names else dense).append(p)
+    spec = program.mesh
+    dpcp = spec.dp * spec.cp
+    fams = [
+        ParamFamily("dense", dense, groups.dense if dpcp > 1 else None, 1.0 / dpcp),
+        ParamFamily("expert", expert, groups.ep_dp if spec.ep_dp > 1 else None, 1.0 / dpcp),
+    ]
+    return MultiGroupDistributedDataParallel(fams, bucket_bytes=int(program.options.bucket_mb * 2**20))

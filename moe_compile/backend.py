@@ -1,0 +1,73 @@
+"""The torch.compile backend: dynamo graph → forward passes → aot_autograd (joint passes, partition)
+→ codegen lowering of the forward and backward graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import default_partition
+from torch._guards import detect_fake_mode
+
+from .codegen import lower
+from .ir import Stage, get_stage, set_stage
+from .passes import FORWARD_PASSES, JOINT_PASSES, PassContext, run_passes
+from .passes.base import normalize_capture, tag_moe_nodes
+from .program import Program
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy for inspection (node meta shallow-copied; no tensors duplicated)."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    if out is not None:
+        g.output(out)
+    copy = fx.GraphModule(gm, g)
+    copy.meta.update(gm.meta)
+    return copy
+
+
+class MoEBackend:
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+        prog = self.program
+        prog.compiles += 1
+        debug = Path(prog.options.debug_dir) if prog.options.debug_dir else None
+        fake_mode = detect_fake_mode(example_inputs)
+        normalize_capture(gm)
+        set_stage(gm, Stage.DENSE)
+        ctx = PassContext(prog, fake_mode)
+        tag_moe_nodes(gm, ctx)
+        prog.graphs["captured"] = snapshot(gm)
+        gm = run_passes(gm, ctx, FORWARD_PASSES, debug, "fwd_")
+        prog.graphs["partitioned"] = snapshot(gm)
+        stage = get_stage(gm)
+
+        def partition_fn(joint: fx.GraphModule, joint_inputs, **kw):
+            jctx = PassContext(prog, detect_fake_mode(joint_inputs) or fake_mode, is_joint=True,
+                               dispatch=ctx.dispatch, records=ctx.records)
+            set_stage(joint, stage)
+            tag_moe_nodes(joint, jctx)
+            joint = run_passes(joint, jctx, JOINT_PASSES, debug, "joint_")
+            prog.graphs["joint"] = snapshot(joint)
+            prog.records = list(jctx.records)
+            return default_partition(joint, joint_inputs, **kw)
+
+        def compiler(kind: str):
+            def compile_graph(g: fx.GraphModule, _inputs):
+                gctx = PassContext(prog, fake_mode, dispatch=ctx.dispatch)
+                tag_moe_nodes(g, gctx)
+                g = lower(g, gctx, kind)
+                prog.graphs[kind] = g
+                return make_boxed_func(g.forward)
+
+            return compile_graph
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+            partition_fn=partition_fn,
+        )

@@ -1,0 +1,125 @@
+"""CompiledMoE: the user-facing module returned by ``moe_compile``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .frontend import MoEBlockSpec
+from .mesh import MeshGroups
+from .program import Program
+from .runtime import get_context, release_context
+from .train import MultiGroupDistributedDataParallel
+
+
+class CompiledMoE(nn.Module):
+    """An expert-parallel program built from a single-device MoE model.
+
+    Called exactly like the original model, on every rank, each with its own micro-batch. Holds the
+    canonicalised model (``.model``): dense parameters replicated, routed experts sharded over ep_mp.
+    """
+
+    def __init__(self, model: nn.Module, program: Program, groups: MeshGroups | None,
+                 ddp: MultiGroupDistributedDataParallel | None, compiled: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.program = program
+        self.groups = groups
+        self.ddp = ddp
+        self._compiled = compiled
+        self._expert_names = {
+            name for spec in program.blocks.values() for name in (spec.in_name, spec.out_name)
+        }
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    # -- gradients ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Defer gradient reduction (gradient accumulation over micro-batches)."""
+        if self.ddp is None:
+            yield
+            return
+        with self.ddp.no_sync():
+            yield
+
+    # -- views of the whole model ------------------------------------------------------------------
+    def is_expert_param(self, name: str) -> bool:
+        return name in self._expert_names
+
+    def _gather_experts(self, t: torch.Tensor) -> torch.Tensor:
+        if self.program.ep_size == 1:
+            return t.detach().clone()
+        parts = [torch.empty_like(t) for _ in range(self.program.ep_size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.groups.ep_mp)
+        return torch.cat(parts)
+
+    def _full(self, pick) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        views = {v.canonical: [] for s in self.program.blocks.values() for v in s.param_views}
+        for s in self.program.blocks.values():
+            for v in s.param_views:
+                views[v.canonical].append(v)
+        for name, p in self.model.named_parameters():
+            t = pick(name, p)
+            if name not in self._expert_names:
+                out[name] = t.detach().clone()
+                continue
+            full = self._gather_experts(t)
+            for v in views[name]:
+                x = full if v.expert is None else full[v.expert]
+                out[v.original] = (x if v.rows is None else x[..., v.rows[0]: v.rows[1], :]).clone()
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameter tensors on every rank, keyed by the original model's parameter names."""
+        return self._full(lambda _n, p: p)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full (reduced) gradients, keyed by the original model's parameter names. Collective."""
+        return self._full(lambda n, p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Checkpoint views: DTensors over the dense mesh (replicated) and the MoE mesh (experts
+        sharded on ep_mp, replicated on ep_dp) for torch.distributed.checkpoint."""
+        from .train.checkpoint_views import checkpoint_views
+
+        return checkpoint_views(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        from .train.checkpoint_views import load_checkpoint_views
+
+        return load_checkpoint_views(self, state_dict, strict=strict)
+
+    # -- inspection --------------------------------------------------------------------------------
+    @property
+    def blocks(self) -> dict[str, MoEBlockSpec]:
+        return self.program.blocks
+
+    def stats(self) -> dict[str, Any]:
+        """Runtime counters: transport bytes per group and kind, call counts, expert token counts."""
+        ctx = get_context(self.program.ctx_id)
+        out = ctx.stats.summary()
+        out["expert_counts"] = self.expert_counts()
+        return out
+
+    def reset_stats(self) -> None:
+        get_context(self.program.ctx_id).stats.reset()
+
+    def expert_counts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per MoE block, the last forward's requested and kept token-k rows per expert (this rank's tokens)."""
+        ctx = get_context(self.program.ctx_id)
+        return {b: {"requested": r, "kept": k} for b, (r, k) in ctx.stats.expert_counts.items()}
+
+    def graphs(self) -> dict[str, torch.fx.GraphModule]:
+        """Graphs of the last capture: captured (dense), partitioned, joint, forward, backward."""
+        return dict(self.program.graphs)
+
+    def close(self) -> None:
+        release_context(self.program.ctx_id)

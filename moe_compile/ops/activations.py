@@ -1,0 +1,33 @@
+"""Expert activations by name: forward and the exact aten backward kernels autograd would use."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def act_forward(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown expert activation {name!r}; supported: {ACTIVATIONS}")
+
+
+def act_backward(name: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d act(x)/dx · grad, with the same aten kernels eager autograd calls."""
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, x)
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(grad, x)
+    if name == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(grad, F.relu(x), 0)
+    raise ValueError(f"unknown expert activation {name!r}; supported: {ACTIVATIONS}")

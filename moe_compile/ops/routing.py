@@ -1,0 +1,107 @@
+"""moe::router — scores, top-k selection and route weights of one MoE block.
+
+    scores  = softmax(logits) | sigmoid(logits)            (in fp32)
+    idx     = topk(scores + bias, K)                       (bias: selection only, DeepSeek-V3 style)
+    weights = scores[idx] (/ Σ_k scores[idx] if renormalize) · scaling
+
+The router's linear projection stays an ordinary dense op; this op is what passes see as the router.
+Its backward recomputes the (tiny) score function and applies eager autograd's chain rule by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _route_weights(
+    logits: torch.Tensor, idx: torch.Tensor, score_func: str, renormalize: bool, scaling: float
+) -> torch.Tensor:
+    scores = _scores(logits, score_func)
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        w = w * scaling
+    return w
+
+
+def _scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits.float())
+    raise ValueError(f"unknown router score function {score_func!r}; supported: softmax, sigmoid")
+
+
+@torch.library.custom_op("moe::router", mutates_args=())
+def router(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    score_func: str,
+    renormalize: bool,
+    scaling: float,
+    fp32_weights: bool,
+    block: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _scores(logits, score_func)
+    select = scores if bias is None else scores + bias.float()
+    idx = torch.topk(select, top_k, dim=-1).indices
+    w = _route_weights(logits, idx, score_func, renormalize, scaling)
+    return (w if fp32_weights else w.to(logits.dtype)), idx
+
+
+@router.register_fake
+def _(logits, bias, top_k, score_func, renormalize, scaling, fp32_weights, block):
+    t = logits.shape[0]
+    wd = torch.float32 if fp32_weights else logits.dtype
+    return logits.new_empty(t, top_k, dtype=wd), logits.new_empty(t, top_k, dtype=torch.int64)
+
+
+@torch.library.custom_op("moe::router_backward", mutates_args=())
+def router_backward(
+    grad_weights: torch.Tensor,
+    logits: torch.Tensor,
+    idx: torch.Tensor,
+    score_func: str,
+    renormalize: bool,
+    scaling: float,
+    block: str,
+) -> torch.Tensor:
+    # The chain of eager autograd, written out (custom-op kernels run below autograd):
+    # cast → scale → renormalise → gather → score function.
+    scores = _scores(logits, score_func)
+    g = grad_weights.float()
+    if scaling != 1.0:
+        g = g * scaling
+    if renormalize:
+        w = scores.gather(-1, idx)
+        total = w.sum(dim=-1, keepdim=True)
+        g = g / total - (g * w / (total * total)).sum(dim=-1, keepdim=True)
+    g_scores = torch.zeros_like(scores).scatter_add_(-1, idx, g)
+    if score_func == "softmax":
+        g_logits = torch._softmax_backward_data(g_scores, scores, -1, torch.float32)
+    else:
+        g_logits = torch.ops.aten.sigmoid_backward(g_scores, scores)
+    return g_logits.to(logits.dtype)
+
+
+@router_backward.register_fake
+def _(grad_weights, logits, idx, score_func, renormalize, scaling, block):
+    return torch.empty_like(logits)
+
+
+def _setup(ctx, inputs, output):
+    logits, _bias, _k, score_func, renormalize, scaling, _fp32, block = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.cfg = (score_func, renormalize, scaling, block)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_w, _grad_idx):
+    logits, idx = ctx.saved_tensors
+    g = torch.ops.moe.router_backward(grad_w, logits, idx, *ctx.cfg)
+    return g, None, None, None, None, None, None, None
+
+
+router.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,44 @@
+"""Compile options: one explicit, validated object (no environment variables read at import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import OptionError
+
+TRANSPORTS = ("auto", "all_to_all")
+CODEGENS = ("auto", "torch")
+MXFP8_MODES = (None,)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    capacity_factor: float | None = None  # None: dropless; else rank-level capacity with tail drop
+    transport: str = "auto"  # how dispatch/combine move rows
+    codegen: str = "auto"  # which kernels run the partitioned graph
+    mxfp8: str | None = None  # which linears run in MXFP8
+    debug_dir: str | None = None  # dump graphs before/after each pass here
+    fullgraph: bool = True  # the whole model must capture as one graph (lease planning spans layers)
+    bucket_mb: float = 25.0  # gradient bucket size
+
+    def __post_init__(self) -> None:
+        cf = self.capacity_factor
+        if cf is not None and (not isinstance(cf, int | float) or isinstance(cf, bool) or cf <= 0):
+            raise OptionError(f"capacity_factor={cf!r}: must be a positive number, or None for dropless")
+        if self.transport not in TRANSPORTS:
+            raise OptionError(f"transport={self.transport!r}: supported values are {TRANSPORTS}")
+        if self.codegen not in CODEGENS:
+            raise OptionError(f"codegen={self.codegen!r}: supported values are {CODEGENS}")
+        if self.mxfp8 not in MXFP8_MODES:
+            raise OptionError(f"mxfp8={self.mxfp8!r}: supported values are {MXFP8_MODES}")
+        if self.bucket_mb <= 0:
+            raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> CompileOptions:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise OptionError(f"unknown moe_compile option(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)

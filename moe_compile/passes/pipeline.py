@@ -1,0 +1,46 @@
+"""The ordered pass list and its driver (stage checks, verify after each pass, debug dumps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.fx as fx
+
+from ..ir import Stage, set_stage
+from .base import MoEPass, PassContext, PassRecord, op_counts, require_stage
+from .insert_dispatch_combine import insert_dispatch_combine
+from .partition_experts import partition_experts
+from .verify import verify
+
+FORWARD_PASSES: list[MoEPass] = [partition_experts, insert_dispatch_combine]
+JOINT_PASSES: list[MoEPass] = []
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[MoEPass], debug_dir: Path | None = None,
+               tag: str = "") -> fx.GraphModule:
+    verify(gm, ctx, after="capture" if not ctx.is_joint else "autograd")
+    for i, p in enumerate(passes):
+        require_stage(gm, p)
+        before = op_counts(gm)
+        if debug_dir is not None:
+            _dump(debug_dir, f"{tag}{i:02d}_{p.name}_before", gm)
+        gm = p(gm, ctx)
+        set_stage(gm, p.ensures)
+        verify(gm, ctx, after=p.name)
+        after = op_counts(gm)
+        diff = {k: after[k] - before[k] for k in set(before) | set(after) if after[k] != before[k]}
+        ctx.records.append(PassRecord(p.name, diff))
+        if debug_dir is not None:
+            _dump(debug_dir, f"{tag}{i:02d}_{p.name}_after", gm, diff)
+    return gm
+
+
+def _dump(debug_dir: Path, name: str, gm: fx.GraphModule, diff: dict | None = None) -> None:
+    debug_dir.mkdir(parents=True, exist_ok=True)
+    text = gm.print_readable(print_output=False)
+    if diff is not None:
+        text = "# op-count diff: " + repr(dict(sorted(diff.items()))) + "\n" + text
+    (debug_dir / f"{name}.py").write_text(text)
+
+
+__all__ = ["FORWARD_PASSES", "JOINT_PASSES", "Stage", "run_passes"]

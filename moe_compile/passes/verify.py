@@ -1,0 +1,61 @@
+"""verify — the IR contract, checked after every pass; failures name the pass that broke it.
+
+    lint the graph
+    every call_function node whose value is used has meta['val'] (fake values)
+    every moe:: node carries MoENodeMeta
+    DENSE:        per MoE block one router and one routed_experts node, no transport
+    PARTITIONED+: no routed_experts left; per block exactly one permute, dispatch, grouped_ffn,
+                  combine, unpermute in forward — and in a joint graph exactly one mirror of each;
+                  expert weights feed only expert GEMM ops (no dense expert compute left)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+
+from ..errors import IRError
+from ..ir import MOE_META, Stage, get_stage
+from ..ops import op_name
+from .base import PassContext, moe_nodes, op_arg, user_line
+
+PARTITIONED_OPS = ("permute", "dispatch", "grouped_ffn", "combine", "unpermute")
+EXPERT_WEIGHT_USERS = {"grouped_ffn", "grouped_ffn_backward", "routed_experts"}
+
+
+def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
+    def fail(msg: str) -> None:
+        raise IRError(f"after pass {after}: {msg}")
+
+    try:
+        gm.graph.lint()
+    except Exception as e:  # noqa: BLE001 - lint raises plain RuntimeError/AssertionError
+        fail(f"graph lint failed: {e}")
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.users and "val" not in n.meta:
+            fail(f"node {n.name} ({n.target}) has no meta['val']{user_line(n)}")
+    per_block: dict[str, Counter] = {}
+    for n in moe_nodes(gm):
+        if MOE_META not in n.meta:
+            fail(f"MoE node {n.name} carries no metadata")
+        per_block.setdefault(op_arg(n, "block"), Counter())[op_name(n.target)] += 1
+    stage = get_stage(gm)
+    for block, c in per_block.items():
+        if stage == Stage.DENSE:
+            if c["routed_experts"] != 1 or c["dispatch"] or c["combine"]:
+                fail(f"{block}: a DENSE graph needs one routed_experts node and no transport, found {dict(c)}")
+            continue
+        if c["routed_experts"]:
+            fail(f"{block}: a routed_experts node is left in a {stage.name} graph")
+        names = PARTITIONED_OPS + (tuple(f"{o}_backward" for o in PARTITIONED_OPS) if ctx.is_joint else ())
+        bad = {o: c[o] for o in names if c[o] != 1}
+        if bad:
+            fail(f"{block}: expected exactly one of each of {names}, counts off: {bad}")
+    if stage >= Stage.PARTITIONED:
+        for n in moe_nodes(gm, "grouped_ffn"):
+            for w in (op_arg(n, "w_in"), op_arg(n, "w_out")):
+                others = [u for u in w.users if op_name(u.target) not in EXPERT_WEIGHT_USERS]
+                if others:
+                    fail(f"{op_arg(n, 'block')}: expert weight {w.name} also feeds {[u.name for u in others]} "
+                         f"(dense expert compute left){user_line(others[0])}")

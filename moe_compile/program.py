@@ -1,0 +1,30 @@
+"""Program: everything the compiler decided for one CompiledMoE, shared by passes, backend and runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .frontend import MoEBlockSpec
+from .mesh import MeshSpec
+from .options import CompileOptions
+from .passes.base import PassRecord
+
+
+@dataclass
+class Program:
+    blocks: dict[str, MoEBlockSpec]  # by original module path
+    options: CompileOptions
+    mesh: MeshSpec  # resolved
+    ctx_id: int  # runtime context the ops of this program reach
+    ep_size: int
+    ep_rank: int
+    ep_group_name: str
+    graphs: dict[str, fx.GraphModule] = field(default_factory=dict)  # last capture: captured … backward
+    records: list[PassRecord] = field(default_factory=list)
+    compiles: int = 0
+
+    @property
+    def num_local(self) -> dict[str, int]:
+        return {p: s.experts.num_experts // self.ep_size for p, s in self.blocks.items()}

@@ -1,0 +1,64 @@
+"""Runtime contexts: what a compiled program's ops reach at run time (transport, counters).
+
+Custom ops take plain ints and strings, so a compiled graph refers to its context by id. Context 0 is
+the single-process local context (EP-MP group of one rank), used by eager execution of the logical
+graph and by the front end's recognition check.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ..errors import RuntimeFault
+from .stats import RuntimeStats
+from .transport import LocalTransport, Transport
+
+
+@dataclass
+class RuntimeContext:
+    transport: Transport
+    stats: RuntimeStats = field(default_factory=RuntimeStats)
+    ctx_id: int = -1
+
+    @property
+    def ep_size(self) -> int:
+        return self.transport.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.transport.ep_rank
+
+
+_CONTEXTS: dict[int, RuntimeContext] = {}
+_IDS = itertools.count(1)
+
+
+def register_context(ctx: RuntimeContext) -> int:
+    ctx.ctx_id = next(_IDS)
+    _CONTEXTS[ctx.ctx_id] = ctx
+    return ctx.ctx_id
+
+
+def release_context(ctx_id: int) -> None:
+    _CONTEXTS.pop(ctx_id, None)
+
+
+def get_context(ctx_id: int) -> RuntimeContext:
+    try:
+        return _CONTEXTS[ctx_id]
+    except KeyError:
+        raise RuntimeFault(
+            f"runtime context {ctx_id} does not exist in this process (was the CompiledMoE released, "
+            "or is a graph compiled in another process being run here?)"
+        ) from None
+
+
+def _local() -> RuntimeContext:
+    stats = RuntimeStats()
+    ctx = RuntimeContext(LocalTransport(stats), stats, ctx_id=0)
+    _CONTEXTS[0] = ctx
+    return ctx
+
+
+LOCAL_CONTEXT = _local()

@@ -1,0 +1,121 @@
+"""Local multi-rank launcher: spawn N CPU ranks (gloo over loopback) and run a function on each.
+
+Used by ``moe-compile train`` when it is not run under torchrun, and by the test harness. Each rank
+gets a FileStore in a fresh temporary directory, a timeout on initialisation and on the whole run,
+and a barrier before teardown. When a rank fails, its own traceback is reported first (the other
+ranks' errors are usually consequences: a peer that vanished mid-collective).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed; the message starts with the first failing rank's traceback."""
+
+    def __init__(self, failures: list[tuple[int, str]], note: str = "") -> None:
+        self.failures = failures
+        first_rank, first_tb = failures[0] if failures else (-1, "")
+        parts = [f"rank {first_rank} failed first:\n{first_tb}"] if failures else []
+        parts += [f"rank {r} also failed:\n{tb}" for r, tb in failures[1:]]
+        if note:
+            parts.append(note)
+        super().__init__("\n".join(parts))
+
+
+def _worker(rank: int, world: int, store_dir: str, fn: Callable, args: tuple, q: Any, init_timeout: float,
+            env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world), str(rank)
+    try:
+        store = dist.FileStore(os.path.join(store_dir, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=init_timeout))
+        result = fn(rank, world, *args)
+        dist.barrier()
+        q.put((rank, "ok", result, time.time()))
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        q.put((rank, "err", traceback.format_exc(), time.time()))
+        q.close()
+        q.join_thread()  # flush the report before leaving
+        os._exit(1)  # peers may be stuck in a collective with us; do not wait on them
+    dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, init_timeout: float = 120.0,
+                env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results."""
+    ctx = mp.get_context("spawn")
+    store_dir = tempfile.mkdtemp(prefix="moe_compile_store_")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, store_dir, fn, args, q, init_timeout, dict(env or {})),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[tuple[float, int, str]] = []
+    deadline = time.time() + timeout
+    note = ""
+    try:
+        while len(results) + len(failures) < world_size:
+            left = deadline - time.time()
+            if left <= 0:
+                note = f"timed out after {timeout:.0f}s; ranks without a result: " + str(
+                    sorted(set(range(world_size)) - set(results) - {r for _, r, _ in failures}))
+                break
+            try:
+                rank, status, payload, when = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and i not in results and i not in {r for _, r, _ in failures}]
+                if dead and not failures:
+                    # A rank died without reporting (killed, segfault): give the others a moment.
+                    time.sleep(1.0)
+                    if q.empty():
+                        note = f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]} without a report"
+                        break
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failures.append((when, rank, payload))
+                # Collect the other ranks' reports for a short while, then stop everyone.
+                grace = time.time() + 3.0
+                while time.time() < grace and len(results) + len(failures) < world_size:
+                    try:
+                        r2, s2, p2, w2 = q.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if s2 == "ok":
+                        results[r2] = p2
+                    else:
+                        failures.append((w2, r2, p2))
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not failures and not note else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    if failures or note:
+        failures.sort()
+        raise RankFailure([(r, tb) for _, r, tb in failures], note)
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,77 @@
+"""Row layout of one dispatch: which rows leave, where they land, what capacity drops.
+
+Counts travel as ``layout``: an int64 tensor ``[2, ep, ep, L]`` — requested[src, dst, expert] and
+kept[src, dst, expert] for the EP-MP group (L = num_local_experts). Every rank holds the same layout,
+so every rank derives the same drops. From it, each rank derives its own :class:`RoutePlan`.
+
+Capacity rule (rank-level, deterministic tail drop): destination rank r takes at most ``capacity``
+rows; its requested rows are ordered by (source rank, local expert, token, k) and the tail is dropped.
+Dropless mode uses capacity = ep·T·K, which no request can exceed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def keep_counts(requested: torch.Tensor, capacity: int) -> torch.Tensor:
+    """kept[src, dst, e] under the capacity rule, for requested[src, dst, e]."""
+    ep, _, nl = requested.shape
+    per_dst = requested.permute(1, 0, 2).reshape(ep, ep * nl)  # [dst, (src, e)]
+    before = torch.cumsum(per_dst, dim=1) - per_dst
+    kept = torch.minimum(per_dst, (capacity - before).clamp(min=0))
+    return kept.reshape(ep, ep, nl).permute(1, 0, 2).contiguous()
+
+
+def segment_rows(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return starts.new_zeros(0)
+    seg_first = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - seg_first, lengths, output_size=total) + torch.arange(
+        total, device=starts.device
+    )
+
+
+@dataclass
+class RoutePlan:
+    """One rank's view of a dispatch. Rows of the send side are in (dst, expert, token) order; the
+    receive buffer is expert-major: [expert 0 rows from src 0, src 1, …][expert 1 …] then padding."""
+
+    send_index: torch.Tensor  # [n_send] rows of the permuted input that leave (kept rows)
+    send_splits: list[int]  # [ep] rows to each destination
+    recv_pos: torch.Tensor  # [n_recv] expert-major receive row of each arriving row (source-major order)
+    recv_splits: list[int]  # [ep] rows from each source
+    recv_counts: torch.Tensor  # [L] rows per local expert (valid prefix = their sum)
+    me: int
+
+    @property
+    def valid(self) -> int:
+        return int(self.recv_pos.numel())
+
+    @classmethod
+    def from_layout(cls, layout: torch.Tensor, me: int) -> RoutePlan:
+        req, keep = layout[0], layout[1]
+        ep, _, nl = req.shape
+        # Send side: the permuted input holds, per (dst, e), a segment of req rows; the first kept leave.
+        seg_len = req[me].reshape(-1)
+        seg_start = torch.cumsum(seg_len, 0) - seg_len
+        send_index = segment_rows(seg_start, keep[me].reshape(-1))
+        # Receive side: rows arrive source-major (s, e); expert-major offset of (s, e) is
+        # Σ_{e'<e} Σ_s keep[s, me, e'] + Σ_{s'<s} keep[s', me, e].
+        k_in = keep[:, me, :]  # [src, e]
+        per_e = k_in.sum(0)
+        e_off = torch.cumsum(per_e, 0) - per_e
+        s_off = torch.cumsum(k_in, 0) - k_in
+        recv_pos = segment_rows((e_off.unsqueeze(0) + s_off).reshape(-1), k_in.reshape(-1))
+        return cls(
+            send_index=send_index,
+            send_splits=keep[me].sum(1).tolist(),
+            recv_pos=recv_pos,
+            recv_splits=k_in.sum(1).tolist(),
+            recv_counts=per_e,
+            me=me,
+        )

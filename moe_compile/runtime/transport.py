@@ -1,0 +1,100 @@
+"""Transports move token rows between the ranks of an EP-MP group.
+
+``dispatch_rows``: permuted rows → the expert-major receive buffer of the rank storing their expert.
+``return_rows``: expert-output rows → back to the rows they came from (dropped rows stay zero).
+Backward uses the same two movements in the mirrored direction.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from .route_plan import RoutePlan
+from .stats import RuntimeStats
+
+
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """gloo has no fp8 types: 1-byte floats travel as uint8 views."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+class Transport(ABC):
+    name: str
+    ep_size: int
+    ep_rank: int
+
+    def __init__(self, stats: RuntimeStats, group_label: str) -> None:
+        self.stats = stats
+        self.group_label = group_label
+
+    @abstractmethod
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts[dst, e] of this rank → requested[src, dst, e] of the whole group."""
+
+    @abstractmethod
+    def _move(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Rows to each peer (split by send_splits) → rows from each peer (split by recv_splits)."""
+
+    def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str) -> torch.Tensor:
+        send = xs.index_select(0, plan.send_index)
+        flat = self._move(send, plan.send_splits, plan.recv_splits)
+        self._count(what, send, plan.send_splits, plan.me)
+        recv = xs.new_zeros((capacity,) + tuple(xs.shape[1:]))
+        recv.index_copy_(0, plan.recv_pos, flat)
+        return recv
+
+    def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str) -> torch.Tensor:
+        flat = out.index_select(0, plan.recv_pos)
+        back_rows = self._move(flat, plan.recv_splits, plan.send_splits)
+        self._count(what, flat, plan.recv_splits, plan.me)
+        back = out.new_zeros((num_rows,) + tuple(out.shape[1:]))
+        back.index_copy_(0, plan.send_index, back_rows)
+        return back
+
+    def _count(self, what: str, send: torch.Tensor, splits: list[int], me: int) -> None:
+        row_bytes = send[0].numel() * send.element_size() if send.shape[0] else 0
+        peer_rows = sum(splits) - splits[me]
+        self.stats.add_bytes(self.group_label, what, peer_rows * row_bytes, sum(splits) * row_bytes)
+
+
+class LocalTransport(Transport):
+    """EP-MP group of one rank: rows stay where they are."""
+
+    name = "local"
+
+    def __init__(self, stats: RuntimeStats, group_label: str = "ep_mp") -> None:
+        super().__init__(stats, group_label)
+        self.ep_size, self.ep_rank = 1, 0
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts.unsqueeze(0).clone()
+
+    def _move(self, send, send_splits, recv_splits):
+        return send
+
+
+class AllToAllTransport(Transport):
+    """torch.distributed ``all_to_all_single`` with uneven splits (gloo on CPU, NCCL on GPU)."""
+
+    name = "all_to_all"
+
+    def __init__(self, group: dist.ProcessGroup, stats: RuntimeStats, group_label: str = "ep_mp") -> None:
+        super().__init__(stats, group_label)
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(counts) for _ in range(self.ep_size)]
+        dist.all_gather(parts, counts.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def _move(self, send, send_splits, recv_splits):
+        recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+        dist.all_to_all_single(
+            wire_view(recv), wire_view(send.contiguous()), recv_splits, send_splits, group=self.group
+        )
+        return recv

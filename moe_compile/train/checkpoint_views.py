@@ -1,0 +1,59 @@
+"""Checkpoint-view DTensors: global views of the compiled model's tensors for torch.distributed.checkpoint.
+
+Dense parameters and buffers: replicated over the stage's dense mesh (dp, cp). Routed-expert shards:
+``Shard(0)`` over ep_mp and replicated over ep_dp, so the global view is the whole [N, …] tensor while
+no rank materialises it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..errors import MoECompileError
+
+if TYPE_CHECKING:
+    from ..compiled import CompiledMoE
+
+
+def _stage_meshes(cm: CompiledMoE):
+    g = cm.groups
+    return g.dense_mesh["dp", "cp"], g.moe_mesh["ep_dp", "ep_mp"]
+
+
+def checkpoint_views(cm: CompiledMoE) -> dict[str, Any]:
+    if cm.groups is None:
+        return {k: v.detach() for k, v in cm.model.state_dict().items()}
+    dense_mesh, moe_mesh = _stage_meshes(cm)
+    ep = cm.program.ep_size
+    out: dict[str, Any] = {}
+    for name, t in cm.model.state_dict().items():
+        if cm.is_expert_param(name):
+            shape = (t.shape[0] * ep,) + tuple(t.shape[1:])
+            out[name] = DTensor.from_local(t.detach(), moe_mesh, [Replicate(), Shard(0)], run_check=False,
+                                           shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        else:
+            out[name] = DTensor.from_local(t.detach(), dense_mesh, [Replicate(), Replicate()], run_check=False)
+    return out
+
+
+def load_checkpoint_views(cm: CompiledMoE, state_dict: dict[str, Any], strict: bool = True):
+    own = cm.model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if strict and (missing or unexpected):
+        raise MoECompileError(f"checkpoint does not match the compiled model: missing {missing}, unexpected {unexpected}")
+    for name, v in state_dict.items():
+        if name not in own:
+            continue
+        local = v.to_local() if isinstance(v, DTensor) else v
+        if cm.is_expert_param(name) and not isinstance(v, DTensor):
+            nl = own[name].shape[0]
+            local = local[cm.program.ep_rank * nl: (cm.program.ep_rank + 1) * nl]
+        if local.shape != own[name].shape:
+            raise MoECompileError(f"{name}: checkpoint tensor shape {tuple(local.shape)} != model {tuple(own[name].shape)}")
+        with torch.no_grad():
+            own[name].copy_(local)
+    return missing, unexpected

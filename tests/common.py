@@ -1,0 +1,134 @@
+"""Shared test helpers: models, batches, comparisons, and independent references."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+import torch.nn as nn
+
+from moe_compile.models import TinyMoEConfig, TinyMoELM, tiny_hf_model
+
+VOCAB = 256
+
+
+def build_model(name: str, seed: int = 0, **kw) -> nn.Module:
+    """Deterministic fp32 model by name: tiny[_stacked|_sigmoid|_gelu|_shared] or an HF family."""
+    torch.manual_seed(seed)
+    if name.startswith("tiny"):
+        cfg = dict(vocab_size=VOCAB)
+        if "stacked" in name:
+            cfg.update(expert_layout="stacked")
+        if "sigmoid" in name:
+            cfg.update(score_func="sigmoid", expert_bias=True)
+        if "gelu" in name:
+            cfg.update(activation="gelu", norm_topk_prob=False)
+        if "shared" in name:
+            cfg.update(shared_expert_hidden=32, shared_expert_gate=True)
+        cfg.update(kw)
+        m = TinyMoELM(TinyMoEConfig(**cfg))
+        g = torch.Generator().manual_seed(seed + 1)
+        for mod in m.modules():
+            if getattr(mod, "expert_bias", None) is not None:
+                mod.expert_bias.copy_(torch.randn(mod.expert_bias.shape, generator=g) * 0.05)
+        return m
+    return tiny_hf_model(name, seed=seed, vocab=VOCAB, **kw)
+
+
+def make_batches(world: int, batch: int = 2, seq: int = 16, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    return [torch.randint(3, VOCAB, (batch, seq), generator=g) for _ in range(world)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| relative to max |b| (the tensor's own scale)."""
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    from moe_compile.frontend.recognize import find_candidates
+
+    return [getattr(c.block, c.router_attr) for c in find_candidates(model)]
+
+
+def skew_to_first_experts(model: nn.Module, num_first: int) -> None:
+    """Make every token route to experts [0, num_first): a constant component on hidden dim 0
+    (added to the token embeddings) that the routers reward for those experts only."""
+    with torch.no_grad():
+        emb = next(m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= VOCAB)
+        emb.weight[:, 0] += 20.0
+        for r in routers(model):
+            r.weight[:num_first, 0] = 5.0
+            r.weight[num_first:, 0] = -5.0
+
+
+def dense_reference(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-batch losses and the gradient of their mean, on a plain copy of the dense model."""
+    ref = copy.deepcopy(model)
+    losses = [ref(input_ids=b, labels=b).loss for b in batches]
+    torch.stack(losses).mean().backward()
+    return [x.item() for x in losses], grads_of(ref)
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients by name; a parameter no token reached (an idle expert) has a zero gradient."""
+    return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+
+
+# -- capacity: an independent, loop-form implementation of the drop rule ------------------------
+
+
+def reference_keep(idx: torch.Tensor, world: int, ep_mp: int, num_experts: int, capacity: int) -> torch.Tensor:
+    """keep[t, k] for routes idx [world·T, K] (rank-major tokens): destination rank r of each EP group
+    takes its requested rows in (source rank, local expert, token, k) order, up to ``capacity``."""
+    rows, k = idx.shape
+    t = rows // world
+    nl = num_experts // ep_mp
+    keep = torch.ones_like(idx, dtype=torch.bool)
+    for group in range(world // ep_mp):
+        ranks = range(group * ep_mp, (group + 1) * ep_mp)
+        for dst in range(ep_mp):
+            used = 0
+            for src in ranks:
+                for e in range(nl):
+                    for tok in range(src * t, (src + 1) * t):
+                        for kk in range(k):
+                            if int(idx[tok, kk]) == dst * nl + e:
+                                if used < capacity:
+                                    used += 1
+                                else:
+                                    keep[tok, kk] = False
+    return keep
+
+
+def apply_reference_drops(model: nn.Module, world: int, ep_mp: int, capacity_factor: float) -> None:
+    """Patch the dense model so each MoE block drops what the compiled run drops. The model must be
+    run on all ranks' batches at once (torch.cat along the batch dim, rank-major)."""
+    import math
+
+    from moe_compile.frontend.recognize import find_candidates
+
+    for c in find_candidates(model):
+        block, experts, n = c.block, getattr(c.block, c.experts_attr), c.experts.num_experts
+
+        def cap_for(idx):
+            return max(1, math.ceil(capacity_factor * (idx.shape[0] // world) * idx.shape[1]))
+
+        if c.router_kind == "hf":  # transformers block: experts(hidden, top_k_index, top_k_weights)
+            orig = experts.forward
+
+            def fwd(hidden, top_k_index, top_k_weights, _orig=orig, _n=n):
+                keep = reference_keep(top_k_index, world, ep_mp, _n, cap_for(top_k_index))
+                return _orig(hidden, top_k_index, top_k_weights * keep.to(top_k_weights.dtype))
+
+            experts.forward = fwd
+        else:  # the tiny reference block's expert loop
+            orig_mix = block.expert_mix
+
+            def mix(self, x, idx, weights, _orig=orig_mix, _n=n):
+                keep = reference_keep(idx, world, ep_mp, _n, cap_for(idx))
+                return _orig(x, idx, weights * keep.to(weights.dtype))
+
+            block.expert_mix = types.MethodType(mix, block)
