@@ -12,6 +12,7 @@ from .backend import MoEBackend
 from .compiled import CompiledMoE
 from .errors import MeshError
 from .frontend import canonicalize, recognize
+from .frontend.prepare import prepare_for_capture
 from .mesh import MeshSpec
 from .options import CompileOptions
 from .program import Program
@@ -66,6 +67,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local",
     )
     ddp = _reducer(model, program, groups) if groups is not None else None
+    prepare_for_capture(model)
     _configure_dynamo()
     compiled = torch.compile(model, backend=MoEBackend(program), fullgraph=opts.fullgraph, dynamic=False)
     return CompiledMoE(model, program, groups, ddp, compiled)

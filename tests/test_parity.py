@@ -26,6 +26,8 @@ from .harness import run_ranks
 
 TOL = 1e-5
 MODELS = ("tiny",) + HF_FAMILIES
+# every router/expert feature of the reference model, and transformers' own aux loss
+VARIANTS = ("tiny_stacked_sigmoid_shared", "tiny_gelu", "olmoe_aux")
 
 
 def parity_worker(rank: int, world: int, models: tuple[str, ...], mesh: str, scenario: str,
@@ -109,6 +111,11 @@ def test_single_rank(mesh):
 @pytest.mark.parametrize("mesh", ["ep_mp=2", "ep_mp=1"])
 def test_two_ranks(mesh):
     check(run_ranks(parity_worker, 2, MODELS, mesh, "random", None))
+
+
+@pytest.mark.slow
+def test_feature_variants():
+    check(run_ranks(parity_worker, 2, VARIANTS, "ep_mp=2", "random", None))
 
 
 @pytest.mark.slow

@@ -1,0 +1,157 @@
+"""Bad input gets a clear error naming the thing and the rule — never a silent fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import MeshError, OptionError, RecognitionError, UnsupportedFeatureError
+from moe_compile.models import MoEFeedForward, TinyMoEConfig
+
+from .common import build_model
+from .harness import run_ranks
+
+# -- meshes ----------------------------------------------------------------------------------------
+
+
+def test_dense_and_moe_pools_must_match():
+    with pytest.raises(MeshError, match=r"dp·cp \(4·1 = 4\) must equal ep_dp·ep_mp \(2·4 = 8\)"):
+        MeshSpec(dp=4, ep_dp=2, ep_mp=4).resolve(4)
+
+
+def test_ep_mp_must_divide_the_pool():
+    with pytest.raises(MeshError, match=r"ep_mp=3 does not divide dp·cp = 4·1 = 4"):
+        MeshSpec(ep_mp=3).resolve(4)
+
+
+def test_world_size_must_match_mesh():
+    with pytest.raises(MeshError, match=r"pp·dp·cp = 1·4·1 = 4 ranks, but the world has 2"):
+        MeshSpec(dp=4).resolve(2)
+    with pytest.raises(MeshError, match="the world has 1"):
+        moe_compile(build_model("tiny"), MeshSpec(dp=2))  # single process, no torch.distributed
+
+
+def test_derived_degrees_and_parse():
+    m = MeshSpec.parse("dp=4,ep_mp=2").resolve(4)
+    assert (m.dp, m.cp, m.pp, m.ep_dp, m.ep_mp) == (4, 1, 1, 2, 2)
+    assert MeshSpec.parse("ep_mp=4").resolve(8).ep_dp == 2
+    assert MeshSpec.parse("pp=2 cp=2").resolve(8).dp == 2
+    assert m.moe_coords(3) == (0, 1, 1) and m.dense_coords(3) == (0, 3, 0)
+    with pytest.raises(MeshError, match="cannot read 'tp=2'"):
+        MeshSpec.parse("tp=2")
+    with pytest.raises(MeshError, match="positive integer"):
+        MeshSpec(ep_mp=0)
+
+
+def bad_compile_worker(rank, world, cases):
+    """Try each (model kwargs, mesh) and return the error each raised on this rank."""
+    out = []
+    for model_kw, mesh in cases:
+        try:
+            moe_compile(build_model("tiny", **model_kw), MeshSpec.parse(mesh))
+            out.append(None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+@pytest.mark.slow
+def test_multi_rank_mesh_errors():
+    cases = [({"num_experts": 3, "top_k": 1}, "ep_mp=2"), ({}, "pp=2"), ({}, "cp=2")]
+    for errors in run_ranks(bad_compile_worker, 2, cases):
+        (t0, m0), (t1, m1), (t2, m2) = errors
+        assert t0 == "MeshError" and "layers.0.mlp: 3 routed experts cannot be split evenly over ep_mp=2" in m0
+        assert t1 == "MeshError" and "pipeline parallelism (pp=2) is not supported" in m1
+        assert t2 == "MeshError" and "context parallelism (cp=2)" in m2
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+
+def test_no_moe_block():
+    with pytest.raises(RecognitionError, match="no MoE block found in Sequential.*does not fall back"):
+        moe_compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+
+
+def test_router_jitter_is_unsupported():
+    model = build_model("mixtral", router_jitter_noise=0.1)
+    for layer in model.model.layers:
+        layer.mlp.jitter_noise = 0.1
+    with pytest.raises(UnsupportedFeatureError, match=r"model\.layers\.0\.mlp: router jitter noise"):
+        moe_compile(model)
+
+
+def test_group_limited_routing_is_unsupported():
+    model = build_model("tiny")
+    model.layers[0].mlp.n_group = 4
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: group-limited routing \(n_group=4\)"):
+        moe_compile(model)
+
+
+def test_expert_bias_is_unsupported():
+    model = build_model("tiny")
+    model.layers[1].mlp.experts[0].w1 = nn.Linear(64, 64, bias=True)
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.1\.mlp\.experts\.0: expert Linear layers with bias"):
+        moe_compile(model)
+
+
+class OddMoE(MoEFeedForward):
+    """Looks like an MoE but scales its output: no supported routing reproduces it."""
+
+    def forward(self, hidden):
+        y, aux = super().forward(hidden)
+        return 2 * y, aux
+
+
+def test_block_that_computes_something_else_is_rejected():
+    model = build_model("tiny")
+    odd = OddMoE(TinyMoEConfig(vocab_size=256))
+    odd.load_state_dict(model.layers[0].mlp.state_dict())
+    model.layers[0].mlp = odd
+    with pytest.raises(RecognitionError, match=r"layers\.0\.mlp: recognised as an MoE block .* no supported routing reproduces"):
+        moe_compile(model)
+
+
+def test_aux_coefficients_without_aux_output():
+    class NoAux(MoEFeedForward):
+        def forward(self, hidden):
+            return super().forward(hidden)[0]
+
+    model = build_model("tiny")
+    blk = NoAux(TinyMoEConfig(vocab_size=256))
+    model.layers[0].mlp = blk
+    with pytest.raises(RecognitionError, match="returns no aux loss"):
+        moe_compile(model)
+
+
+def test_missing_top_k():
+    model = build_model("tiny")
+    del model.layers[0].mlp.top_k
+    with pytest.raises(RecognitionError, match=r"layers\.0\.mlp: top-k not understood"):
+        moe_compile(model)
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"capacity_factor": -1}, "capacity_factor=-1: must be a positive number"),
+    ({"transport": "carrier_pigeon"}, "transport='carrier_pigeon'"),
+    ({"bogus": 1}, r"unknown moe_compile option\(s\) \['bogus'\]"),
+])
+def test_bad_options(kw, match):
+    with pytest.raises(OptionError, match=match):
+        moe_compile(build_model("tiny"), **kw)
+
+
+def test_eager_logical_op_refuses_to_run_partitioned():
+    """The logical routed-experts op never silently computes with a subset of experts."""
+    from moe_compile.errors import RuntimeFault
+
+    x = torch.randn(4, 8)
+    idx = torch.zeros(4, 1, dtype=torch.int64)
+    w = torch.ones(4, 1)
+    with pytest.raises(RuntimeFault, match="blk: the logical routed-experts op ran un-partitioned with 2 of 4"):
+        torch.ops.moe.routed_experts(x, idx, w, torch.randn(2, 16, 8), torch.randn(2, 8, 8), "silu", True, 4, 0, "blk")
