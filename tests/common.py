@@ -33,6 +33,10 @@ def build_model(name: str, seed: int = 0, **kw) -> nn.Module:
             if getattr(mod, "expert_bias", None) is not None:
                 mod.expert_bias.copy_(torch.randn(mod.expert_bias.shape, generator=g) * 0.05)
         return m
+    if name.endswith("_eager"):  # transformers' per-expert loop instead of its default grouped_mm path
+        model = build_model(name[: -len("_eager")], seed, **kw)
+        model.config._experts_implementation = "eager"
+        return model
     if name.endswith("_aux"):  # transformers' own load-balancing loss from recorded router logits
         kw.update(output_router_logits=True, router_aux_loss_coef=0.05)
         name = name[: -len("_aux")]

@@ -27,7 +27,7 @@ from .harness import run_ranks
 TOL = 1e-5
 MODELS = ("tiny",) + HF_FAMILIES
 # every router/expert feature of the reference model, and transformers' own aux loss
-VARIANTS = ("tiny_stacked_sigmoid_shared", "tiny_gelu", "olmoe_aux")
+VARIANTS = ("tiny_stacked_sigmoid_shared", "tiny_gelu", "olmoe_aux", "mixtral_eager")
 
 
 def parity_worker(rank: int, world: int, models: tuple[str, ...], mesh: str, scenario: str,

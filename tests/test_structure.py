@@ -134,10 +134,13 @@ def test_pass_stage_precondition(compiled_single):
 
 def test_moe_nodes_carry_metadata(compiled_single):
     g = compiled_single.graphs()
-    metas = [n.meta[MOE_META] for n in g["forward"].graph.nodes if MOE_META in n.meta]
+    metas = [n.meta[MOE_META] for n in g["partitioned"].graph.nodes if MOE_META in n.meta]
     assert {m.role for m in metas} >= {Role.ROUTER, Role.DISPATCH, Role.COMBINE, Role.EXPERT_FFN}
     d = next(m for m in metas if m.role == Role.DISPATCH)
     assert d.dispatch.capacity == d.dispatch.num_tokens * d.dispatch.top_k  # dropless, one rank
     assert d.shard.num_local == d.shard.num_experts
-    assert all(isinstance(n.meta.get("val"), torch.Tensor | tuple | list) for n in g["forward"].graph.nodes
+    assert all(isinstance(n.meta.get("val"), torch.Tensor | tuple | list) for n in g["partitioned"].graph.nodes
                if n.op == "call_function" and op_name(n.target))
+    # one rank, dropless: lowering leaves no row movement in the executable graphs
+    assert g["forward"].meta["moe_elided_transport"] == 4  # 2 layers × (dispatch, combine)
+    assert not {op_name(n.target) for n in g["forward"].graph.nodes} & {"dispatch", "combine"}

@@ -142,13 +142,20 @@ def grouped_ffn(
     block: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     valid = int(counts.sum())
-    out = recv.new_zeros(recv.shape[0], w_out.shape[1])
-    pre = recv.new_zeros(recv.shape[0], w_in.shape[1])
-    if valid:
-        o, p = _ffn_rows(recv[:valid], counts, w_in, w_out, activation, gated)
-        out[:valid] = o
-        pre[:valid] = p
-    return out, pre
+    if not valid:
+        return recv.new_zeros(recv.shape[0], w_out.shape[1]), recv.new_zeros(recv.shape[0], w_in.shape[1])
+    o, p = _ffn_rows(recv[:valid], counts, w_in, w_out, activation, gated)
+    return _pad_rows(o, recv.shape[0]), _pad_rows(p, recv.shape[0])
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` as the valid prefix of a ``rows``-row buffer whose tail is zero (no copy if full)."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_empty((rows,) + tuple(t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    out[t.shape[0]:].zero_()
+    return out
 
 
 @grouped_ffn.register_fake
@@ -169,9 +176,8 @@ def grouped_ffn_backward(
     block: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     valid = int(counts.sum())
-    g_recv = torch.zeros_like(recv)
     if not valid:
-        return g_recv, torch.zeros_like(w_in), torch.zeros_like(w_out)
+        return torch.zeros_like(recv), torch.zeros_like(w_in), torch.zeros_like(w_out)
     go, x, p = grad_out[:valid], recv[:valid], pre[:valid]
     if gated:
         g, u = p.chunk(2, dim=-1)
@@ -182,10 +188,13 @@ def grouped_ffn_backward(
     g_a = grouped_mm(go, w_out, counts)
     g_w_out = grouped_mm(go.t(), a, counts)
     if gated:
-        g_pre = torch.cat([act_backward(activation, g_a * u, g), g_a * ag], dim=-1)
+        h = g.shape[1]
+        g_pre = p.new_empty(p.shape)  # [gate | up] gradients side by side, without a cat
+        g_pre[:, :h] = act_backward(activation, g_a * u, g)
+        torch.mul(g_a, ag, out=g_pre[:, h:])
     else:
         g_pre = act_backward(activation, g_a, p)
-    g_recv[:valid] = grouped_mm(g_pre, w_in, counts)
+    g_recv = _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
     g_w_in = grouped_mm(g_pre.t(), x, counts)
     return g_recv, g_w_in, g_w_out
 

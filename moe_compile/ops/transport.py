@@ -109,3 +109,17 @@ def _combine_bwd(ctx, g_back):
 
 
 combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("moe::local_layout", mutates_args=())
+def local_layout(counts: torch.Tensor, ctx: int, block: str) -> torch.Tensor:
+    """Layout of a dispatch inside an EP-MP group of one rank with nothing dropped (what lowering
+    leaves of dispatch/combine there: no rows move)."""
+    c = get_context(ctx)
+    c.stats.record_counts(block, counts, counts)
+    return torch.stack([counts, counts]).view(2, 1, 1, -1)
+
+
+@local_layout.register_fake
+def _(counts, ctx, block):
+    return counts.new_empty(2, 1, 1, counts.shape[0])

@@ -22,6 +22,7 @@ _ROLES = {
     "routed_experts": Role.ROUTED_EXPERTS,
     "permute": Role.PERMUTE,
     "dispatch": Role.DISPATCH,
+    "local_layout": Role.DISPATCH,
     "grouped_ffn": Role.EXPERT_FFN,
     "combine": Role.COMBINE,
     "unpermute": Role.UNPERMUTE,

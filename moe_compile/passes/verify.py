@@ -5,7 +5,7 @@
     every moe:: node carries MoENodeMeta
     DENSE:        per MoE block one router and one routed_experts node, no transport
     PARTITIONED+: no routed_experts left; per block exactly one permute, dispatch, grouped_ffn,
-                  combine, unpermute in forward — and in a joint graph exactly one mirror of each;
+                  combine, unpermute in forward, and at most one backward mirror of each;
                   expert weights feed only expert GEMM ops (no dense expert compute left)
 """
 
@@ -48,10 +48,14 @@ def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
             continue
         if c["routed_experts"]:
             fail(f"{block}: a routed_experts node is left in a {stage.name} graph")
-        names = PARTITIONED_OPS + (tuple(f"{o}_backward" for o in PARTITIONED_OPS) if ctx.is_joint else ())
-        bad = {o: c[o] for o in names if c[o] != 1}
+        bad = {o: c[o] for o in PARTITIONED_OPS if c[o] != 1}
         if bad:
-            fail(f"{block}: expected exactly one of each of {names}, counts off: {bad}")
+            fail(f"{block}: expected exactly one of each of {PARTITIONED_OPS}, counts off: {bad}")
+        # A mirror exists only where a gradient flows (no input gradient → no dispatch mirror), but
+        # never twice, and never without its forward op.
+        extra = {f"{o}_backward": c[f"{o}_backward"] for o in PARTITIONED_OPS if c[f"{o}_backward"] > 1}
+        if extra:
+            fail(f"{block}: backward mirrors appear more than once: {extra}")
     if stage >= Stage.PARTITIONED:
         for n in moe_nodes(gm, "grouped_ffn"):
             for w in (op_arg(n, "w_in"), op_arg(n, "w_out")):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -40,6 +41,8 @@ def _worker(rank: int, world: int, store_dir: str, fn: Callable, args: tuple, q:
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world), str(rank)
+    # Share the cores: oversubscribed OpenMP pools spin against each other and stall every collective.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         store = dist.FileStore(os.path.join(store_dir, "store"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,

@@ -47,10 +47,19 @@ class RoutePlan:
     recv_splits: list[int]  # [ep] rows from each source
     recv_counts: torch.Tensor  # [L] rows per local expert (valid prefix = their sum)
     me: int
+    send_identity: bool  # nothing dropped: the rows leave in the order they are (send_index = arange)
+    recv_identity: bool  # one source or one local expert: arrival order is already expert-major
 
     @property
     def valid(self) -> int:
         return int(self.recv_pos.numel())
+
+    @property
+    def recv_inverse(self) -> torch.Tensor:
+        """[valid] arriving row that lands at each expert-major row (inverse of recv_pos)."""
+        inv = torch.empty_like(self.recv_pos)
+        inv[self.recv_pos] = torch.arange(self.recv_pos.numel(), device=inv.device)
+        return inv
 
     @classmethod
     def from_layout(cls, layout: torch.Tensor, me: int) -> RoutePlan:
@@ -74,4 +83,6 @@ class RoutePlan:
             recv_splits=k_in.sum(1).tolist(),
             recv_counts=per_e,
             me=me,
+            send_identity=bool(send_index.numel() == int(seg_len.sum())),
+            recv_identity=ep == 1 or nl == 1,
         )

@@ -38,18 +38,28 @@ class Transport(ABC):
     def _move(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows to each peer (split by send_splits) → rows from each peer (split by recv_splits)."""
 
+    fresh_output = True  # _move returns new storage (False: it may hand back the send buffer itself)
+
     def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str) -> torch.Tensor:
-        send = xs.index_select(0, plan.send_index)
+        send = xs if plan.send_identity else xs.index_select(0, plan.send_index)
         flat = self._move(send, plan.send_splits, plan.recv_splits)
         self._count(what, send, plan.send_splits, plan.me)
-        recv = xs.new_zeros((capacity,) + tuple(xs.shape[1:]))
-        recv.index_copy_(0, plan.recv_pos, flat)
+        recv = xs.new_empty((capacity,) + tuple(xs.shape[1:]))
+        head = recv[: plan.valid]
+        if plan.recv_identity:
+            head.copy_(flat)
+        else:
+            torch.index_select(flat, 0, plan.recv_inverse, out=head)
+        recv[plan.valid:].zero_()
         return recv
 
     def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str) -> torch.Tensor:
-        flat = out.index_select(0, plan.recv_pos)
+        head = out[: plan.valid]
+        flat = head if plan.recv_identity else head.index_select(0, plan.recv_pos)
         back_rows = self._move(flat, plan.recv_splits, plan.send_splits)
         self._count(what, flat, plan.recv_splits, plan.me)
+        if plan.send_identity:
+            return back_rows if self.fresh_output and back_rows is not flat else back_rows.clone()
         back = out.new_zeros((num_rows,) + tuple(out.shape[1:]))
         back.index_copy_(0, plan.send_index, back_rows)
         return back
@@ -64,6 +74,7 @@ class LocalTransport(Transport):
     """EP-MP group of one rank: rows stay where they are."""
 
     name = "local"
+    fresh_output = False
 
     def __init__(self, stats: RuntimeStats, group_label: str = "ep_mp") -> None:
         super().__init__(stats, group_label)

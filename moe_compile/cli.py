@@ -1,0 +1,85 @@
+"""``moe-compile`` command line: ``train`` (compiled training on local CPU ranks or under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+
+from .train.loop import TrainConfig, print_summary, train_rank
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a small MoE model expert-parallel",
+                       description="Train the tiny reference MoE LM (or a tiny random HF config) with moe_compile. "
+                                   "Spawns --ranks local CPU ranks (gloo) unless run under torchrun.")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--mesh", default="", help='mesh degrees, e.g. "ep_mp=2" or "dp=4,ep_mp=2" (default: all dp)')
+    p.add_argument("--ranks", type=int, default=1, help="local CPU ranks to spawn (ignored under torchrun)")
+    p.add_argument("--hf", choices=["olmoe", "mixtral", "qwen2_moe"], help="tiny random config of an HF family")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capacity-factor", type=float, default=None, help="rank-level capacity (default: dropless)")
+    p.add_argument("--data", default=None, help="local text file, byte-level tokens (default: synthetic)")
+    p.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step here")
+    p.add_argument("--log-every", type=int, default=1)
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw["model"] = args.hf or "tiny"
+    return TrainConfig(**kw)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        try:
+            summary = train_rank(dist.get_rank(), dist.get_world_size(), cfg)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        if summary and int(os.environ["RANK"]) == 0:
+            print_summary(summary)
+        return 0
+    if args.ranks < 1:
+        print(f"--ranks {args.ranks}: need at least one rank", file=sys.stderr)
+        return 2
+    from .runtime.launcher import RankFailure, spawn_ranks
+
+    try:
+        summary = spawn_ranks(train_rank, args.ranks, cfg, timeout=24 * 3600)[0]
+    except RankFailure as e:
+        print(str(e), file=sys.stderr)
+        last = next((ln for ln in reversed(str(e).splitlines()) if ln.strip()), "") if not e.failures else \
+            next(ln for ln in reversed(e.failures[0][1].splitlines()) if ln.strip())
+        print(f"moe-compile train failed: {last}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moe-compile", description="Compile MoE models for expert-parallel training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return cmd_train(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
