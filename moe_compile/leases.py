@@ -1,0 +1,56 @@
+"""Lease plan types: lifetimes of symmetric-memory payloads over the forward/backward schedule.
+
+Glossary: a *lease* reserves a symmetric payload that a later backward still reads; autograd releases
+it after that consumer. Payloads backward never reads live in *shared transient slots*. The
+*high-water* is the maximum number of simultaneously live payloads of one stage and storage family.
+The plan is identical on every rank (symmetric allocation is collective).
+
+Schedule positions are indices into the joint graph's node order (forward nodes first, then backward).
+A payload occupies its slot on the half-open interval [acquire, release).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Payload:
+    name: str  # e.g. "layers.0.mlp/dispatch.recv"
+    block: str  # MoE block (original module path)
+    family: str  # storage family: payloads of one family share a pool of equal-size slots
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    acquire: int  # schedule position where the payload is written
+    release: int  # schedule position after its last consumer (exclusive)
+    leased: bool  # a backward consumer reads it: held by a lease until then
+    slot: int  # slot index in its family's pool
+    stage: int = 0  # pipeline stage
+    parts: tuple[str, ...] = ()  # components allocated and released together (qdata, scale)
+
+    def live_at(self, pos: int) -> bool:
+        return self.acquire <= pos < self.release
+
+
+@dataclass(frozen=True)
+class LeasePlan:
+    payloads: tuple[Payload, ...]
+    schedule_len: int  # number of positions in the schedule
+    sharing: bool  # False: every payload has its own fixed per-block cache
+    high_water: dict[tuple[int, str], int] = field(default_factory=dict)  # (stage, family) → count
+    slot_bytes: dict[tuple[int, str], int] = field(default_factory=dict)  # (stage, family) → bytes/slot
+    boundary: int = 0  # first backward position (forward positions are < boundary)
+
+    def pool_slots(self, stage: int, family: str) -> int:
+        return 1 + max((p.slot for p in self.payloads if p.stage == stage and p.family == family), default=-1)
+
+    @property
+    def symmetric_bytes(self) -> int:
+        """Bytes of symmetric memory the pools allocate (slots × slot size, summed over pools)."""
+        keys = {(p.stage, p.family) for p in self.payloads}
+        return sum(self.pool_slots(s, f) * self.slot_bytes[(s, f)] for s, f in keys)
+
+    def live(self, pos: int, stage: int | None = None, family: str | None = None) -> list[Payload]:
+        return [p for p in self.payloads if p.live_at(pos) and (stage is None or p.stage == stage)
+                and (family is None or p.family == family)]
