@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import torch
@@ -10,13 +11,16 @@ import torch.nn as nn
 
 from .backend import MoEBackend
 from .compiled import CompiledMoE
-from .errors import MeshError
+from .errors import MeshError, OptionError
 from .frontend import canonicalize, recognize
 from .frontend.prepare import prepare_for_capture
 from .mesh import MeshSpec
 from .options import CompileOptions
 from .program import Program
 from .runtime import AllToAllTransport, LocalTransport, RuntimeContext, RuntimeStats, register_context
+from .runtime.lease_runtime import LeaseRuntime
+from .runtime.symmetric import make_heap
+from .runtime.symmetric_transport import SymmetricTransport
 from .train import MultiGroupDistributedDataParallel, ParamFamily
 
 
@@ -59,18 +63,39 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
             )
     ep_rank = groups.ep_rank if groups else 0
     stats = RuntimeStats()
-    transport = AllToAllTransport(groups.ep_mp, stats) if spec.ep_mp > 1 else LocalTransport(stats)
-    ctx_id = register_context(RuntimeContext(transport, stats))
+    transport, leases, kind = make_transport(spec, groups, opts, stats)
+    ctx_id = register_context(RuntimeContext(transport, stats, leases=leases))
     canonicalize(blocks, spec.ep_mp, ep_rank, ctx_id)
     program = Program(
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
-        ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local",
+        ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
     )
     ddp = _reducer(model, program, groups) if groups is not None else None
     prepare_for_capture(model)
     _configure_dynamo()
     compiled = torch.compile(model, backend=MoEBackend(program), fullgraph=opts.fullgraph, dynamic=False)
     return CompiledMoE(model, program, groups, ddp, compiled)
+
+
+def make_transport(spec: MeshSpec, groups, opts: CompileOptions, stats: RuntimeStats):
+    """(transport, lease runtime or None, resolved kind) for this rank's EP-MP group."""
+    if groups is None or spec.ep_mp == 1:
+        return LocalTransport(stats), None, "local"
+    kind = opts.transport
+    if kind in ("auto", "symmetric"):
+        hosts = [None] * spec.ep_mp
+        dist.all_gather_object(hosts, socket.gethostname(), group=groups.ep_mp)
+        one_host = len(set(hosts)) == 1
+        if kind == "symmetric" and not one_host and groups.device_type == "cpu":
+            raise OptionError(f"transport='symmetric' on CPU ranks needs the EP-MP group on one host; its ranks "
+                              f"run on {sorted(set(hosts))}")
+        if kind == "auto":
+            kind = "symmetric" if one_host and groups.device_type == "cpu" else "all_to_all"
+    if kind == "symmetric":
+        heap = make_heap(groups.ep_mp, groups.device_type)
+        leases = LeaseRuntime(heap, groups.ep_mp, poison=opts.lease_debug)
+        return SymmetricTransport(heap, leases, stats), leases, kind
+    return AllToAllTransport(groups.ep_mp, stats), None, kind
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
@@ -89,6 +114,7 @@ def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistribute
     dpcp = spec.dp * spec.cp
     fams = [
         ParamFamily("dense", dense, groups.dense if dpcp > 1 else None, 1.0 / dpcp),
-        ParamFamily("expert", expert, groups.ep_dp if spec.ep_dp > 1 else None, 1.0 / dpcp),
+        ParamFamily("expert", expert, groups.ep_dp if spec.ep_dp > 1 else None, 1.0 / spec.ep_dp,
+                    pre_scale=1.0 / spec.ep_mp),
     ]
     return MultiGroupDistributedDataParallel(fams, bucket_bytes=int(program.options.bucket_mb * 2**20))

@@ -15,6 +15,7 @@ from .codegen import lower
 from .ir import Stage, get_stage, set_stage
 from .passes import FORWARD_PASSES, JOINT_PASSES, PassContext, run_passes
 from .passes.base import normalize_capture, tag_moe_nodes
+from .passes.plan_leases import build_plan
 from .program import Program
 
 
@@ -46,6 +47,7 @@ class MoEBackend:
         gm = run_passes(gm, ctx, FORWARD_PASSES, debug, "fwd_")
         prog.graphs["partitioned"] = snapshot(gm)
         stage = get_stage(gm)
+        joint_plan: list = []  # the training compile's lease plan (set by partition_fn)
 
         def partition_fn(joint: fx.GraphModule, joint_inputs, **kw):
             jctx = PassContext(prog, detect_fake_mode(joint_inputs) or fake_mode, is_joint=True,
@@ -55,13 +57,21 @@ class MoEBackend:
             joint = run_passes(joint, jctx, JOINT_PASSES, debug, "joint_")
             prog.graphs["joint"] = snapshot(joint)
             prog.records = list(jctx.records)
+            joint_plan.append(jctx.lease_plan)
+            prog.lease_plans["training"] = jctx.lease_plan
             return default_partition(joint, joint_inputs, **kw)
 
         def compiler(kind: str):
             def compile_graph(g: fx.GraphModule, _inputs):
                 gctx = PassContext(prog, fake_mode, dispatch=ctx.dispatch)
                 tag_moe_nodes(g, gctx)
+                if joint_plan:
+                    gctx.lease_plan = joint_plan[0]
+                else:  # inference: no backward, so every payload is transient
+                    gctx.lease_plan = build_plan(g, gctx)
+                    prog.lease_plans["inference"] = gctx.lease_plan
                 g = lower(g, gctx, kind)
+                tag_moe_nodes(g, gctx)  # lowering may add nodes (lease ops)
                 prog.graphs[kind] = g
                 return make_boxed_func(g.forward)
 

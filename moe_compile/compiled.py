@@ -117,6 +117,18 @@ class CompiledMoE(nn.Module):
         ctx = get_context(self.program.ctx_id)
         return {b: {"requested": r, "kept": k} for b, (r, k) in ctx.stats.expert_counts.items()}
 
+    def lease_plan(self, which: str = "training"):
+        """The compile-time lease plan (moe_compile.leases.LeasePlan) of the last training (or
+        "inference") capture: payloads, sizes, lifetimes, slots, high-water per stage and family."""
+        if which not in self.program.lease_plans:
+            raise KeyError(f"no {which} lease plan yet: run a {which} step first "
+                           f"(have: {sorted(self.program.lease_plans)})")
+        return self.program.lease_plans[which]
+
+    def lease_runtime(self):
+        """The runtime lease pools (observed high-water, symmetric bytes), or None off the symmetric transport."""
+        return get_context(self.program.ctx_id).leases
+
     def graphs(self) -> dict[str, torch.fx.GraphModule]:
         """Graphs of the last capture: captured (dense), partitioned, joint, forward, backward."""
         return dict(self.program.graphs)

@@ -28,6 +28,8 @@ class Payload:
     slot: int  # slot index in its family's pool
     stage: int = 0  # pipeline stage
     parts: tuple[str, ...] = ()  # components allocated and released together (qdata, scale)
+    readers: tuple[tuple[str, str], ...] = ()  # (moe op, block) of every consumer
+    released_by: tuple[str, str] | None = None  # release after this (moe op, block); None: within its op
 
     def live_at(self, pos: int) -> bool:
         return self.acquire <= pos < self.release

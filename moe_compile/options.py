@@ -7,7 +7,7 @@ from typing import Any
 
 from .errors import OptionError
 
-TRANSPORTS = ("auto", "all_to_all")
+TRANSPORTS = ("auto", "all_to_all", "symmetric")
 CODEGENS = ("auto", "torch")
 MXFP8_MODES = (None,)
 
@@ -15,7 +15,10 @@ MXFP8_MODES = (None,)
 @dataclass(frozen=True)
 class CompileOptions:
     capacity_factor: float | None = None  # None: dropless; else rank-level capacity with tail drop
-    transport: str = "auto"  # how dispatch/combine move rows
+    transport: str = "auto"  # how dispatch/combine move rows: all_to_all | symmetric | auto (symmetric
+    #                          where the EP group shares a host / has NVSHMEM, else all_to_all)
+    lease_sharing: bool = True  # False: a fixed per-block cache per symmetric payload (no slot reuse)
+    lease_debug: bool = False  # poison released symmetric slots (NaN) so stale reads show
     codegen: str = "auto"  # which kernels run the partitioned graph
     mxfp8: str | None = None  # which linears run in MXFP8
     debug_dir: str | None = None  # dump graphs before/after each pass here

@@ -21,9 +21,11 @@ class Program:
     ep_size: int
     ep_rank: int
     ep_group_name: str
+    transport: str = "local"  # resolved: local | all_to_all | symmetric
     graphs: dict[str, fx.GraphModule] = field(default_factory=dict)  # last capture: captured … backward
     records: list[PassRecord] = field(default_factory=list)
     compiles: int = 0
+    lease_plans: dict[str, object] = field(default_factory=dict)  # "training" / "inference" → LeasePlan
 
     @property
     def num_local(self) -> dict[str, int]:

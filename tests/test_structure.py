@@ -64,7 +64,7 @@ def expert_weight_users(gm) -> set[str]:
 def test_one_dispatch_and_combine_per_layer(model_name):
     r = run_ranks(structure_worker, 2, model_name)[0]
     assert len(r["blocks"]) == 3
-    assert r["stages"] == {"captured": "DENSE", "partitioned": "PARTITIONED", "joint": "PARTITIONED"}
+    assert r["stages"] == {"captured": "DENSE", "partitioned": "PARTITIONED", "joint": "LEASED"}
     for blk in r["blocks"]:
         assert r["counts"]["captured"][blk] == {"router": 1, "routed_experts": 1}
         fwd, bwd, joint = r["counts"]["forward"][blk], r["counts"]["backward"][blk], r["counts"]["joint"][blk]
@@ -73,6 +73,11 @@ def test_one_dispatch_and_combine_per_layer(model_name):
         assert not any(o in bwd for o in FORWARD), bwd
         assert {o: joint.get(o) for o in FORWARD + MIRRORS} == dict.fromkeys(FORWARD + MIRRORS, 1)
         assert "routed_experts" not in fwd and "routed_experts" not in bwd
+        # symmetric transport (the CPU default): the receive rows are leased from dispatch until
+        # grouped_ffn_backward; lowering checks the lease before each reader and releases it after
+        # the last one (with the output-gradient rows that combine_backward PUT)
+        assert fwd.get("lease_check") == 1 and "lease_release" not in fwd, fwd
+        assert bwd.get("lease_check") == 2 and bwd.get("lease_release") == 2, bwd
     # saved for backward ("output" of the forward graph) is not compute
     assert r["expert_weight_users"] <= {"grouped_ffn", "grouped_ffn_backward", "output"}, r["expert_weight_users"]
     diff = dict(r["records"])["insert_dispatch_combine"]

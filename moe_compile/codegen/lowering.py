@@ -17,6 +17,7 @@ import torch.fx as fx
 from ..errors import OptionError
 from ..ops import op_name
 from ..passes.base import PassContext, op_arg
+from ..runtime import get_context
 
 
 def resolve_codegen(requested: str) -> str:
@@ -60,8 +61,43 @@ def elide_local_transport(gm: fx.GraphModule, ctx: PassContext) -> int:
     return done
 
 
+def place_lease_ops(gm: fx.GraphModule, ctx: PassContext) -> int:
+    """Activate the graph's lease plan first, check every symmetric payload before each reader, and
+    release it after its last reader (payloads living within one op are handled by that op)."""
+    plan = ctx.lease_plan
+    if plan is None or not plan.payloads:
+        return 0
+    prog = ctx.program
+    leases = get_context(prog.ctx_id).leases
+    plan_id = leases.install(plan)
+    g = gm.graph
+    by_op: dict[tuple[str, str], list[fx.Node]] = {}
+    for n in g.nodes:
+        if n.op == "call_function" and op_name(n.target) and not op_name(n.target).startswith("lease_"):
+            by_op.setdefault((op_name(n.target), op_arg(n, "block")), []).append(n)
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(first):
+        g.call_function(torch.ops.moe.lease_activate.default, (prog.ctx_id, plan_id))
+    placed = 1
+    for p in plan.payloads:
+        for reader in set(p.readers):
+            for n in by_op.get(reader, []):
+                with g.inserting_before(n):
+                    g.call_function(torch.ops.moe.lease_check.default, (prog.ctx_id, p.name))
+                placed += 1
+        if p.released_by is not None:
+            for n in by_op.get(p.released_by, []):
+                with g.inserting_after(n):
+                    g.call_function(torch.ops.moe.lease_release.default, (prog.ctx_id, p.name))
+                placed += 1
+    g.lint()
+    gm.recompile()
+    return placed
+
+
 def lower(gm: fx.GraphModule, ctx: PassContext, kind: str) -> fx.GraphModule:
     resolve_codegen(ctx.program.options.codegen)
     gm.meta["moe_codegen"] = "torch"
     gm.meta["moe_elided_transport"] = elide_local_transport(gm, ctx)
+    gm.meta["moe_lease_ops"] = place_lease_ops(gm, ctx)
     return gm

@@ -30,11 +30,11 @@ def dispatch(
     xs: torch.Tensor, counts: torch.Tensor, ctx: int, block: str, capacity: int, ep_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     c = _ctx(ctx, ep_size, block)
-    requested = c.transport.exchange_counts(counts.view(ep_size, -1))
+    requested = c.transport.exchange_counts(counts.view(ep_size, -1), block)
     kept = keep_counts(requested, capacity)
     layout = torch.stack([requested, kept])
     plan = RoutePlan.from_layout(layout, c.ep_rank)
-    recv = c.transport.dispatch_rows(xs, plan, capacity, "dispatch")
+    recv = c.transport.dispatch_rows(xs, plan, capacity, "dispatch", block)
     c.stats.record_counts(block, counts, kept[c.ep_rank].reshape(-1))
     return recv, plan.recv_counts.clone(), layout
 
@@ -52,7 +52,8 @@ def _(xs, counts, ctx, block, capacity, ep_size):
 @torch.library.custom_op("moe::dispatch_backward", mutates_args=())
 def dispatch_backward(grad_recv: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, num_rows: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    return c.transport.return_rows(grad_recv, RoutePlan.from_layout(layout, c.ep_rank), num_rows, "dispatch_backward")
+    plan = RoutePlan.from_layout(layout, c.ep_rank)
+    return c.transport.return_rows(grad_recv, plan, num_rows, "dispatch_backward", block)
 
 
 @dispatch_backward.register_fake
@@ -78,7 +79,7 @@ dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 @torch.library.custom_op("moe::combine", mutates_args=())
 def combine(out: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, num_rows: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    return c.transport.return_rows(out, RoutePlan.from_layout(layout, c.ep_rank), num_rows, "combine")
+    return c.transport.return_rows(out, RoutePlan.from_layout(layout, c.ep_rank), num_rows, "combine", block)
 
 
 @combine.register_fake
@@ -89,7 +90,8 @@ def _(out, layout, ctx, block, num_rows):
 @torch.library.custom_op("moe::combine_backward", mutates_args=())
 def combine_backward(grad_back: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, capacity: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    return c.transport.dispatch_rows(grad_back, RoutePlan.from_layout(layout, c.ep_rank), capacity, "combine_backward")
+    plan = RoutePlan.from_layout(layout, c.ep_rank)
+    return c.transport.dispatch_rows(grad_back, plan, capacity, "combine_backward", block)
 
 
 @combine_backward.register_fake

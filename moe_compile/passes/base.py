@@ -44,6 +44,7 @@ class PassContext:
     is_joint: bool = False
     dispatch: dict[str, DispatchSpec] = field(default_factory=dict)  # block → transport shape
     records: list[PassRecord] = field(default_factory=list)
+    lease_plan: Any = None  # moe_compile.leases.LeasePlan, once plan_leases ran
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -53,7 +54,7 @@ PassFn = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 class MoEPass:
     name: str
     fn: PassFn
-    requires: Stage
+    requires: Stage | tuple[Stage, ...]
     ensures: Stage
     graph: str  # "forward" (before autograd) | "joint"
     doc: str = ""
@@ -62,7 +63,8 @@ class MoEPass:
         return self.fn(gm, ctx)
 
 
-def moe_pass(*, requires: Stage, ensures: Stage, graph: str = "forward") -> Callable[[PassFn], MoEPass]:
+def moe_pass(*, requires: Stage | tuple[Stage, ...], ensures: Stage,
+             graph: str = "forward") -> Callable[[PassFn], MoEPass]:
     def wrap(fn: PassFn) -> MoEPass:
         return MoEPass(fn.__name__, fn, requires, ensures, graph, (fn.__doc__ or "").strip())
 
@@ -113,6 +115,11 @@ def tag_moe_nodes(gm: fx.GraphModule, ctx: PassContext) -> None:
     prog = ctx.program
     for n in moe_nodes(gm):
         name = op_name(n.target)
+        if name.startswith("lease_"):
+            payload = op_arg(n, "payload") if name != "lease_activate" else ""
+            n.meta[MOE_META] = MoENodeMeta(block=payload.split("/")[0], role=Role.LEASE, layer_index=-1,
+                                           extra={"op": name, "payload": payload})
+            continue
         mirror = name.endswith("_backward")
         base = name[: -len("_backward")] if mirror else name
         block = op_arg(n, "block")
@@ -157,8 +164,10 @@ def normalize_capture(gm: fx.GraphModule) -> None:
 
 
 def require_stage(gm: fx.GraphModule, p: MoEPass) -> None:
-    if get_stage(gm) != p.requires:
-        raise IRError(f"pass {p.name} requires a {p.requires.name} graph, got {get_stage(gm).name}")
+    allowed = p.requires if isinstance(p.requires, tuple) else (p.requires,)
+    if get_stage(gm) not in allowed:
+        want = " or ".join(s.name for s in allowed)
+        raise IRError(f"pass {p.name} requires a {want} graph, got {get_stage(gm).name}")
 
 
 def val_shape(node: Any) -> tuple[int, ...]:

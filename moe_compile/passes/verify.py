@@ -39,6 +39,8 @@ def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
     for n in moe_nodes(gm):
         if MOE_META not in n.meta:
             fail(f"MoE node {n.name} carries no metadata")
+        if op_name(n.target).startswith("lease_"):
+            continue
         per_block.setdefault(op_arg(n, "block"), Counter())[op_name(n.target)] += 1
     stage = get_stage(gm)
     for block, c in per_block.items():
@@ -56,6 +58,8 @@ def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
         extra = {f"{o}_backward": c[f"{o}_backward"] for o in PARTITIONED_OPS if c[f"{o}_backward"] > 1}
         if extra:
             fail(f"{block}: backward mirrors appear more than once: {extra}")
+    if stage >= Stage.LEASED and "lease_plan" not in gm.meta:
+        fail("a LEASED graph carries no lease plan")
     if stage >= Stage.PARTITIONED:
         for n in moe_nodes(gm, "grouped_ffn"):
             for w in (op_arg(n, "w_in"), op_arg(n, "w_out")):

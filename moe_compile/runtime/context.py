@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..errors import RuntimeFault
+from .lease_runtime import LeaseRuntime
 from .stats import RuntimeStats
 from .transport import LocalTransport, Transport
 
@@ -20,6 +21,7 @@ class RuntimeContext:
     transport: Transport
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     ctx_id: int = -1
+    leases: LeaseRuntime | None = None  # symmetric transport: lease pools over the symmetric heap
 
     @property
     def ep_size(self) -> int:

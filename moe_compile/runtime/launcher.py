@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .symmetric.host import PREFIX, cleanup_prefix
 
 
 class RankFailure(RuntimeError):
@@ -63,10 +66,11 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results."""
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="moe_compile_store_")
+    env = dict(env or {})
+    job = env.setdefault("MOE_COMPILE_JOB", uuid.uuid4().hex[:12])
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store_dir, fn, args, q, init_timeout, dict(env or {})),
-                    daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, store_dir, fn, args, q, init_timeout, env), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -118,6 +122,9 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
                 p.kill()
                 p.join(timeout=5.0)
         shutil.rmtree(store_dir, ignore_errors=True)
+        # Symmetric-memory segments are unlinked once mapped; a rank killed mid-allocation can still
+        # leave one behind, so remove whatever this job's prefix names.
+        cleanup_prefix(f"{PREFIX}_{job}")
     if failures or note:
         failures.sort()
         raise RankFailure([(r, tb) for _, r, tb in failures], note)

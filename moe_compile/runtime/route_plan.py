@@ -47,6 +47,7 @@ class RoutePlan:
     recv_splits: list[int]  # [ep] rows from each source
     recv_counts: torch.Tensor  # [L] rows per local expert (valid prefix = their sum)
     me: int
+    layout: torch.Tensor  # [2, ep, ep, L] requested / kept rows (the plan is derived from it)
     send_identity: bool  # nothing dropped: the rows leave in the order they are (send_index = arange)
     recv_identity: bool  # one source or one local expert: arrival order is already expert-major
 
@@ -83,6 +84,7 @@ class RoutePlan:
             recv_splits=k_in.sum(1).tolist(),
             recv_counts=per_e,
             me=me,
+            layout=layout,
             send_identity=bool(send_index.numel() == int(seg_len.sum())),
             recv_identity=ep == 1 or nl == 1,
         )

@@ -31,7 +31,7 @@ class Transport(ABC):
         self.group_label = group_label
 
     @abstractmethod
-    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+    def exchange_counts(self, counts: torch.Tensor, block: str = "") -> torch.Tensor:
         """counts[dst, e] of this rank → requested[src, dst, e] of the whole group."""
 
     @abstractmethod
@@ -40,7 +40,7 @@ class Transport(ABC):
 
     fresh_output = True  # _move returns new storage (False: it may hand back the send buffer itself)
 
-    def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str) -> torch.Tensor:
+    def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str, block: str = "") -> torch.Tensor:
         send = xs if plan.send_identity else xs.index_select(0, plan.send_index)
         flat = self._move(send, plan.send_splits, plan.recv_splits)
         self._count(what, send, plan.send_splits, plan.me)
@@ -53,7 +53,7 @@ class Transport(ABC):
         recv[plan.valid:].zero_()
         return recv
 
-    def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str) -> torch.Tensor:
+    def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:
         head = out[: plan.valid]
         flat = head if plan.recv_identity else head.index_select(0, plan.recv_pos)
         back_rows = self._move(flat, plan.recv_splits, plan.send_splits)
@@ -80,7 +80,7 @@ class LocalTransport(Transport):
         super().__init__(stats, group_label)
         self.ep_size, self.ep_rank = 1, 0
 
-    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+    def exchange_counts(self, counts: torch.Tensor, block: str = "") -> torch.Tensor:
         return counts.unsqueeze(0).clone()
 
     def _move(self, send, send_splits, recv_splits):
@@ -98,7 +98,7 @@ class AllToAllTransport(Transport):
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
 
-    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+    def exchange_counts(self, counts: torch.Tensor, block: str = "") -> torch.Tensor:
         parts = [torch.empty_like(counts) for _ in range(self.ep_size)]
         dist.all_gather(parts, counts.contiguous(), group=self.group)
         return torch.stack(parts)

@@ -3,9 +3,11 @@
     dense bucket   — dense parameters, reduced over the folded dp×cp replica group
     expert bucket  — routed-expert shards, reduced over ep_dp (replicas of the same shard)
 
-Both families end as the gradient of the mean of the data-parallel ranks' losses: the dense sum is
-divided by dp·cp; an expert shard's local gradient already sums the tokens of its EP-MP group, so its
-ep_dp sum is divided by dp·cp as well.
+Both families end as the gradient of the mean of the data-parallel ranks' losses, and both reduce
+as a *mean* over their group, so gradients that were already reduced (accumulated over steps without
+zeroing) stay unchanged by a later reduction. Dense: mean over dp·cp. An expert shard's local
+gradient sums the tokens of its whole EP-MP group, so incoming expert gradients are pre-scaled by
+1/ep_mp (a tensor hook, before accumulation) and then averaged over ep_dp: (1/ep_dp)·Σ(1/ep_mp)·Σ = 1/(dp·cp)·Σ.
 
 Gradients live as views into flat persistent buckets (one per family and dtype, split at
 ``bucket_bytes``). A bucket's all-reduce starts (async) as soon as all its gradients are accumulated,
@@ -29,7 +31,8 @@ class ParamFamily:
     name: str  # "dense" | "expert"
     params: list[nn.Parameter]
     group: dist.ProcessGroup | None  # None: a group of one rank (nothing to reduce)
-    scale: float  # multiply the summed gradient by this
+    scale: float  # multiply the summed gradient by this (1 / group size: a mean)
+    pre_scale: float = 1.0  # multiply each incoming gradient by this before it accumulates
 
 
 @dataclass
@@ -88,6 +91,11 @@ class MultiGroupDistributedDataParallel:
             for i, p in enumerate(b.params):
                 b.adopt(i)
                 p.register_post_accumulate_grad_hook(self._hook)
+        for fam in families:
+            if fam.pre_scale != 1.0:
+                for p in fam.params:
+                    if p.requires_grad:
+                        p.register_hook(lambda g, s=fam.pre_scale: g * s)
 
     def _add_bucket(self, fam: ParamFamily, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
         offsets, n = [], 0

@@ -1,0 +1,20 @@
+"""Symmetric heaps: host shared memory (CPU ranks on one host) and NVSHMEM (GPUs)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .base import SymmetricBuffer, SymmetricHeap
+from .host import HostShmHeap, cleanup_prefix, job_prefix
+
+
+def make_heap(group: dist.ProcessGroup, device_type: str) -> SymmetricHeap:
+    """The symmetric heap for an EP group of ranks on ``device_type`` (collective over the group)."""
+    if device_type == "cuda":
+        from .nvshmem import NvshmemHeap
+
+        return NvshmemHeap(group)
+    return HostShmHeap(group)
+
+
+__all__ = ["HostShmHeap", "SymmetricBuffer", "SymmetricHeap", "cleanup_prefix", "job_prefix", "make_heap"]

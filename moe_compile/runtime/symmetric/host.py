@@ -1,0 +1,116 @@
+"""Host shared-memory symmetric heap for CPU ranks on one host.
+
+Each member creates one POSIX shared-memory segment per allocation (/dev/shm/<prefix>_<alloc>_<rank>)
+and maps every peer's segment, so puts and gets are plain memory writes and reads into a peer's
+pages. Names are unlinked as soon as every member has mapped them (the mappings stay valid), so a
+rank that crashes later leaves nothing in /dev/shm; ``cleanup_prefix`` removes what a crash during an
+allocation can leave. The signal between ranks is a shared epoch array (one writer per entry).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from .base import SymmetricBuffer, SymmetricHeap
+
+SHM_DIR = "/dev/shm"
+PREFIX = "moe_compile"
+
+
+def job_prefix() -> str:
+    """Per-job name prefix: the launcher exports MOE_COMPILE_JOB so it can clean up after crashes."""
+    return f"{PREFIX}_{os.environ.get('MOE_COMPILE_JOB', 'nojob')}"
+
+
+def cleanup_prefix(prefix: str) -> list[str]:
+    """Remove leftover segments whose names start with ``prefix``; returns what was removed."""
+    removed = []
+    if os.path.isdir(SHM_DIR):
+        for f in os.listdir(SHM_DIR):
+            if f.startswith(prefix):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, f))
+                    removed.append(f)
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, max(nbytes, 1))
+        return mmap.mmap(fd, max(nbytes, 1))
+    finally:
+        os.close(fd)
+
+
+class HostShmHeap(SymmetricHeap):
+    name = "host_shm"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        if not os.path.isdir(SHM_DIR):
+            raise RuntimeError(f"host shared-memory symmetric heap needs {SHM_DIR}, which this system lacks")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(token, group_src=0, group=group)
+        self.prefix = f"{job_prefix()}_{token[0]}"
+        self._maps: list[mmap.mmap] = []
+        self._count = 0
+        self._bytes = 0
+        self._epoch = 0
+        # x86-64 stores become visible in program order (TSO): data written before the flag is
+        # visible to a peer that sees the flag. Elsewhere fall back to the process group's barrier.
+        self._shm_signal = platform.machine() in ("x86_64", "AMD64")
+        self._flags = self.alloc("signal", (self.size,), torch.int64).views[0] if self._shm_signal else None
+
+    def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricBuffer:
+        n = self._count
+        self._count += 1
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        paths = [os.path.join(SHM_DIR, f"{self.prefix}_{n}_{p}") for p in range(self.size)]
+        mine = _map(paths[self.rank], nbytes, create=True)
+        dist.barrier(group=self.group)  # every segment exists
+        maps = [mine if p == self.rank else _map(paths[p], nbytes, create=False) for p in range(self.size)]
+        dist.barrier(group=self.group)  # every member mapped every segment
+        os.unlink(paths[self.rank])  # the name can go; mappings keep the memory alive
+        self._maps += maps
+        self._bytes += nbytes
+        views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes).view(dtype).view(shape) if nbytes
+                 else torch.empty(shape, dtype=dtype) for m in maps]
+        views[self.rank].zero_()
+        return SymmetricBuffer(name, tuple(shape), dtype, views, self.rank)
+
+    def barrier(self) -> None:
+        if not self._shm_signal:
+            dist.barrier(group=self.group)
+            return
+        self._epoch += 1
+        flags = self._flags
+        flags[self.rank] = self._epoch
+        spins = 0
+        while int(flags.min()) < self._epoch:
+            spins += 1
+            if spins > 64:
+                time.sleep(0 if spins < 2000 else 1e-5)  # yield: ranks may outnumber cores
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._bytes
+
+    def close(self) -> None:
+        self._maps.clear()  # views hold the buffers; the OS unmaps when the last reference goes

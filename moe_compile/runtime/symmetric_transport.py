@@ -1,0 +1,133 @@
+"""Rowwise transport over symmetric memory (Olmo-style): one-sided PUTs and GETs of token rows.
+
+Route map (per permuted row i, i.e. per (token, k) through ``order``)::
+
+    expert[i]   = the global expert of row i          (searchsorted over the expert counts)
+    dst_rank[i] = expert[i] // L
+    j           = i − segment_start[expert[i]]        (position inside its (dst, expert) segment)
+    dst_row[i]  = e_off[dst, e] + s_off[me, dst, e] + j   if j < kept[me, dst, e], else −1 (dropped)
+
+where the destination's receive buffer is expert-major: e_off = Σ rows of lower local experts,
+s_off = Σ rows of lower source ranks. All tensor ops with fixed shapes (no host sync needed).
+
+dispatch = PUT row i into dst_rank[i]'s receive buffer at dst_row[i]; combine = GET it back from the
+expert output buffer. Backward reverses the directions (combine_backward PUTs, dispatch_backward GETs).
+Every transfer is bracketed by two signals: the first says every receive slot is acquired (its last
+reader is done), the second that every row has landed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lease_runtime import LeaseRuntime
+from .route_plan import RoutePlan
+from .stats import RuntimeStats
+from .symmetric import SymmetricHeap
+from .transport import Transport
+
+# Transport call → (payload kind, whether the payload outlives the op)
+PAYLOAD_KINDS = {
+    "dispatch": "dispatch.recv",  # leased until its last (backward) reader
+    "combine": "combine.src",  # expert outputs exposed for GET, within the op
+    "combine_backward": "combine_backward.recv",  # output-gradient rows, until grouped_ffn_backward
+    "dispatch_backward": "dispatch_backward.src",  # input-gradient rows exposed for GET, within the op
+    "counts": "counts",  # requested-count matrix exchange, within the op
+}
+
+
+def payload_name(block: str, what: str) -> str:
+    return f"{block}/{PAYLOAD_KINDS[what]}"
+
+
+def route_map(layout: torch.Tensor, me: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst_rank[R], dst_row[R]) of this rank's R permuted rows; dst_row −1 for dropped rows."""
+    requested, keep = layout[0], layout[1]
+    ep, _, nl = keep.shape
+    counts = requested[me].reshape(-1)  # [N] rows per global expert, in permuted (expert) order
+    i = torch.arange(num_rows, device=layout.device)
+    ends = torch.cumsum(counts, 0)
+    expert = torch.searchsorted(ends, i, right=True)
+    j = i - (ends - counts)[expert]
+    dst, e = expert // nl, expert % nl
+    per_e = keep.sum(0)  # [dst, e] rows each destination expert receives
+    e_off = torch.cumsum(per_e, 1) - per_e
+    s_off = (torch.cumsum(keep, 0) - keep)[me]  # [dst, e] rows from lower source ranks
+    kept = j < keep[me][dst, e]
+    dst_row = torch.where(kept, e_off[dst, e] + s_off[dst, e] + j, torch.full_like(j, -1))
+    return dst, dst_row
+
+
+class SymmetricTransport(Transport):
+    name = "symmetric"
+
+    def __init__(self, heap: SymmetricHeap, leases: LeaseRuntime, stats: RuntimeStats,
+                 group_label: str = "ep_mp") -> None:
+        super().__init__(stats, group_label)
+        self.heap = heap
+        self.leases = leases
+        self.ep_size = heap.size
+        self.ep_rank = heap.rank
+
+    def exchange_counts(self, counts: torch.Tensor, block: str = "") -> torch.Tensor:
+        name = payload_name(block, "counts")
+        lease = self.leases.acquire(name)
+        self.heap.barrier()  # every member's matrix slot is acquired
+        row = counts.unsqueeze(0)
+        me = torch.tensor([self.ep_rank])
+        for p in range(self.ep_size):
+            lease.peer(p).index_copy_(0, me, row)  # PUT my requested row into every member's matrix
+        self.heap.barrier()
+        out = lease.local.clone()
+        self.heap.barrier()  # everyone has read the matrix before the slot can be reused
+        self.leases.release(name)
+        return out
+
+    def _rows(self, plan: RoutePlan, num_rows: int):
+        dst, dst_row = route_map(plan.layout, plan.me, num_rows)
+        keep = dst_row >= 0
+        return dst[keep], dst_row[keep], keep.nonzero().squeeze(1)
+
+    def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str, block: str = "") -> torch.Tensor:
+        name = payload_name(block, what)
+        lease = self.leases.acquire(name)
+        recv = lease.local
+        dst, dst_row, src_rows = self._rows(plan, xs.shape[0])
+        self.heap.barrier()  # receive slots acquired everywhere
+        peer_rows = 0
+        for p in range(self.ep_size):
+            m = dst == p
+            if bool(m.any()):
+                lease.peer(p).index_copy_(0, dst_row[m], xs.index_select(0, src_rows[m]))  # PUT
+                if p != self.ep_rank:
+                    peer_rows += int(m.sum())
+        recv[plan.valid:].zero_()
+        self.heap.barrier()  # every row landed
+        self._count_rows(what, xs, peer_rows, src_rows.numel())
+        return recv
+
+    def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:
+        name = payload_name(block, what)
+        lease = self.leases.acquire(name)
+        lease.local[: plan.valid].copy_(out[: plan.valid])  # expose the rows for peers to GET
+        dst, dst_row, src_rows = self._rows(plan, num_rows)
+        self.heap.barrier()
+        back = out.new_zeros((num_rows,) + tuple(out.shape[1:]))
+        peer_rows = 0
+        for p in range(self.ep_size):
+            m = dst == p
+            if bool(m.any()):
+                back.index_copy_(0, src_rows[m], lease.peer(p).index_select(0, dst_row[m]))  # GET
+                if p != self.ep_rank:
+                    peer_rows += int(m.sum())
+        self.heap.barrier()  # every member finished reading my rows
+        self.leases.release(name)
+        self._count_rows(what, out, peer_rows, src_rows.numel())
+        return back
+
+    def _count_rows(self, what: str, t: torch.Tensor, peer_rows: int, rows: int) -> None:
+        row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+        self.stats.add_bytes(self.group_label, what, peer_rows * row_bytes, rows * row_bytes)
+
+    def _move(self, send, send_splits, recv_splits):  # rows move by PUT/GET, never as a collective
+        raise NotImplementedError("SymmetricTransport moves rows with dispatch_rows/return_rows")

@@ -1,0 +1,246 @@
+"""Symmetric-memory transport and compile-time lease planning.
+
+* transport="symmetric" (host shared memory, one-sided PUT/GET) equals transport="all_to_all"
+  bitwise, forward and backward, fp32 and bf16, 3 MoE layers, 2 and 4 ranks;
+* the plan's high-water equals what the runtime observes; sharing vs fixed per-block caches;
+* a corrupted plan is rejected; injected reuse bugs are caught by the runtime guards;
+* no shared-memory segment is left behind, also after a rank is killed mid-step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import IRError, RuntimeFault
+from moe_compile.leases import LeasePlan, Payload
+from moe_compile.passes.plan_leases import verify_lease_plan
+from moe_compile.runtime.lease_runtime import LeaseFault
+
+from .common import build_model, dense_reference, make_batches, rel_err
+from .harness import RankFailure, run_ranks
+
+
+def _model(name: str, dtype: torch.dtype):
+    m = build_model(name, n_layers=3) if name == "tiny" else build_model(name, layers=3)
+    return m.to(dtype)
+
+
+def _steps(cm, batch, steps=2):
+    """Two training steps without zeroing grads (accumulating through the reducer) + one no-grad forward."""
+    losses = []
+    for _ in range(steps):
+        out = cm(input_ids=batch, labels=batch)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    with torch.no_grad():
+        infer = cm(input_ids=batch, labels=batch).logits
+    return torch.stack(losses), cm.full_grads(), infer
+
+
+def parity_worker(rank, world, names, dtype):
+    res = {}
+    for name in names:
+        model = _model(name, dtype)
+        batches = make_batches(world, seed=11)
+        ref_grads = dense_reference(model, batches)[1] if dtype == torch.float32 else None
+        out = {}
+        for transport in ("all_to_all", "symmetric"):
+            cm = moe_compile(copy.deepcopy(model), MeshSpec(ep_mp=world), transport=transport)
+            losses, grads, infer = _steps(cm, batches[rank])
+            out[transport] = (losses, grads, infer, cm)
+        (la, ga, ia, _), (ls, gs, is_, cms) = out["all_to_all"], out["symmetric"]
+        plan, rt = cms.lease_plan(), cms.lease_runtime()
+        res[name] = {
+            "transport": cms.program.transport,
+            "bitwise": torch.equal(la, ls) and all(torch.equal(ga[k], gs[k]) for k in ga) and torch.equal(ia, is_),
+            "ref_err": max(rel_err(gs[k] / 2, ref_grads[k]) for k in gs) if ref_grads else 0.0,
+            "plan_high_water": dict(plan.high_water),
+            "observed_high_water": dict(rt.observed_high_water),
+            "leased": sorted(p.name for p in plan.payloads if p.leased),
+            "inference_leased": [p.name for p in cms.lease_plan("inference").payloads if p.leased],
+            "a2a_plan_empty": not out["all_to_all"][3].lease_plan().payloads,
+            "peer_bytes": cms.stats()["bytes_sent"].get("ep_mp", 0),
+        }
+    return res
+
+
+def _check_parity(results, layers=3):
+    for per_rank in results:
+        for name, r in per_rank.items():
+            assert r["transport"] == "symmetric"
+            assert r["bitwise"], (name, r)
+            assert r["ref_err"] <= 1e-5, (name, r)
+            assert r["plan_high_water"] == r["observed_high_water"], (name, r)
+            assert r["plan_high_water"][(0, "lease")] == layers  # every layer's receive rows wait for backward
+            assert len(r["leased"]) == layers and all(n.endswith("/dispatch.recv") for n in r["leased"])
+            assert r["inference_leased"] == []  # without backward nothing outlives its reader
+            assert r["a2a_plan_empty"] and r["peer_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_symmetric_equals_all_to_all_two_ranks():
+    _check_parity(run_ranks(parity_worker, 2, ("tiny", "qwen2_moe"), torch.float32))
+
+
+@pytest.mark.slow
+def test_symmetric_equals_all_to_all_four_ranks_fp32_and_bf16():
+    _check_parity(run_ranks(parity_worker, 4, ("tiny",), torch.float32))
+    _check_parity(run_ranks(parity_worker, 4, ("mixtral",), torch.bfloat16))
+
+
+# -- sharing, guards, faults ----------------------------------------------------------------------
+
+
+def lease_worker(rank, world):
+    out = {}
+    batches = make_batches(world, seed=5)
+    model = build_model("tiny", n_layers=3)
+    ref = dense_reference(model, batches)[1]
+    for sharing in (True, False):
+        cm = moe_compile(copy.deepcopy(model), MeshSpec(ep_mp=world), transport="symmetric", lease_sharing=sharing)
+        cm(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+        plan, rt = cm.lease_plan(), cm.lease_runtime()
+        recv = next(p for p in plan.payloads if p.name.endswith("dispatch.recv"))
+        out[sharing] = {"bytes": rt.symmetric_bytes, "plan_bytes": plan.symmetric_bytes,
+                        "high_water": dict(plan.high_water), "observed": dict(rt.observed_high_water),
+                        "recv_bytes": recv.nbytes, "payloads": len(plan.payloads),
+                        "grad_err": max(rel_err(g, ref[k]) for k, g in cm.full_grads().items())}
+
+    def run(fault=None, forward_only=False):
+        cm = moe_compile(copy.deepcopy(model), MeshSpec(ep_mp=world), transport="symmetric")
+        cm(input_ids=batches[rank], labels=batches[rank]).loss.backward()  # builds and activates the plan
+        cm.zero_grad(set_to_none=False)
+        cm.lease_runtime().fault = fault
+        try:
+            loss = cm(input_ids=batches[rank], labels=batches[rank]).loss
+            if forward_only:
+                cm(input_ids=batches[rank], labels=batches[rank])
+            loss.backward()
+        except RuntimeFault as e:
+            return "fault", str(e)
+        return "ok", max(rel_err(g, ref[k]) for k, g in cm.full_grads().items())
+
+    l0, l1 = "layers.0.mlp/dispatch.recv", "layers.1.mlp/dispatch.recv"
+    out["steal"] = run(LeaseFault("steal", l1, victim=l0))
+    out["steal_unguarded"] = run(LeaseFault("steal", l1, victim=l0, unguarded=True))
+    out["release_early"] = run(LeaseFault("release_early", l0))
+    out["no_backward"] = run(forward_only=True)
+    out["clean"] = run()
+    return out
+
+
+@pytest.mark.slow
+def test_lease_sharing_guards_and_faults():
+    r = run_ranks(lease_worker, 2)[0]
+    shared, fixed = r[True], r[False]
+    layers = 3
+    print(f"\nsymmetric bytes with sharing: {shared['bytes']} (high-water {shared['high_water']}); "
+          f"without sharing: {fixed['bytes']} ({fixed['payloads']} fixed per-block caches)")
+    assert shared["grad_err"] <= 1e-5 and fixed["grad_err"] <= 1e-5
+    assert shared["high_water"] == shared["observed"] and fixed["observed"] == shared["observed"]
+    # sharing: each family pool holds exactly its high-water, so the receive payloads cost
+    # high-water × payload; without sharing every layer keeps its own copy of every payload
+    assert shared["bytes"] == shared["plan_bytes"] <= sum(shared["high_water"].values()) * 64 * 1024
+    assert shared["high_water"][(0, "lease")] * shared["recv_bytes"] <= shared["bytes"]
+    assert fixed["bytes"] >= layers * 4 * shared["recv_bytes"]  # 4 [cap, d] payloads per layer
+    assert shared["bytes"] < fixed["bytes"]
+    kind, msg = r["steal"]
+    assert kind == "fault" and "layers.1.mlp/dispatch.recv (MoE layer layers.1.mlp) would overwrite slot" in msg
+    assert "while the lease of layers.0.mlp/dispatch.recv" in msg
+    kind, err = r["steal_unguarded"]
+    assert kind == "ok" and err > 1e-3, "without the guard the reuse silently corrupts gradients"
+    kind, msg = r["release_early"]
+    assert kind == "fault" and "read of payload layers.0.mlp/dispatch.recv" in msg and "after its lease was released" in msg
+    kind, msg = r["no_backward"]
+    assert kind == "fault" and "acquired twice" in msg
+    assert r["clean"][0] == "ok" and r["clean"][1] <= 1e-5
+
+
+def test_verifier_rejects_slot_reuse_while_leased():
+    def p(name, a, b, slot):
+        return Payload(name, name.split("/")[0], "lease", (4, 8), "torch.float32", 128, a, b, True, slot)
+
+    ok = LeasePlan((p("a/dispatch.recv", 0, 10, 0), p("b/dispatch.recv", 10, 20, 0)), 20, True,
+                   slot_bytes={(0, "lease"): 128})
+    verify_lease_plan(ok)
+    bad = LeasePlan((p("a/dispatch.recv", 0, 10, 0), p("b/dispatch.recv", 5, 20, 0)), 20, True,
+                    slot_bytes={(0, "lease"): 128})
+    with pytest.raises(IRError, match=r"slot 0 of pool lease@0 is written by b/dispatch.recv at position 5 while "
+                                      r"the lease of a/dispatch.recv \(MoE layer a\) is live \[0, 10\)"):
+        verify_lease_plan(bad)
+
+
+# -- runtime guards without a model -------------------------------------------------------------
+
+
+def guard_worker(rank, world):
+    from moe_compile.runtime.lease_runtime import LeaseRuntime
+    from moe_compile.runtime.symmetric import HostShmHeap, job_prefix
+
+    heap = HostShmHeap(torch.distributed.group.WORLD)
+    mine = [f for f in os.listdir("/dev/shm") if f.startswith(heap.prefix)]
+    rt = LeaseRuntime(heap, None)
+    pay = Payload("blk/dispatch.recv", "blk", "lease", (4, 8), "torch.float32", 128, 0, 5, True, 0)
+    plan = LeasePlan((pay,), 6, True, {(0, "lease"): 1}, {(0, "lease"): 128})
+    rt.activate(rt.install(plan))
+    lease = rt.acquire(pay.name)
+    lease.local.fill_(1.0)
+    errors = {}
+    rt.release(pay.name)
+    for what, call in {"double_release": lambda: rt.release(pay.name),
+                       "read_released": lambda: rt.check(pay.name)}.items():
+        try:
+            call()
+        except RuntimeFault as e:
+            errors[what] = str(e)
+    # a plan that asks the frozen pool for a slot it was not created with
+    bigger = LeasePlan((Payload("blk/dispatch.recv", "blk", "lease", (4, 8), "torch.float32", 128, 0, 5, True, 3),),
+                       6, True, {(0, "lease"): 4}, {(0, "lease"): 128})
+    rt.plans[rt.active] = bigger
+    try:
+        rt.acquire(pay.name)
+    except RuntimeFault as e:
+        errors["growth"] = str(e)
+    rt_poison = LeaseRuntime(heap, None, poison=True)
+    rt_poison.activate(rt_poison.install(plan))
+    lz = rt_poison.acquire(pay.name)
+    view = lz.local
+    view.fill_(2.0)
+    rt_poison.release(pay.name)
+    return {"names_left": mine, "errors": errors, "poisoned": bool(torch.isnan(view).all()), "prefix": job_prefix()}
+
+
+@pytest.mark.slow
+def test_runtime_guards_and_unlinked_segments():
+    r = run_ranks(guard_worker, 1)[0]
+    assert r["names_left"] == []  # segment names are unlinked as soon as every member mapped them
+    assert "double release of payload blk/dispatch.recv (MoE layer blk)" in r["errors"]["double_release"]
+    assert "read of payload blk/dispatch.recv (MoE layer blk) after its lease was released" in r["errors"]["read_released"]
+    assert "pool lease@0 is frozen at 1 slots" in r["errors"]["growth"]
+    assert r["poisoned"]
+
+
+def kill_worker(rank, world):
+    model = build_model("tiny")
+    cm = moe_compile(model, MeshSpec(ep_mp=world), transport="symmetric")
+    b = make_batches(world)[rank]
+    cm(input_ids=b, labels=b).loss.backward()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies between steps, holding mapped segments
+    cm(input_ids=b, labels=b).loss.backward()  # rank 0 waits for a peer that never comes
+
+
+@pytest.mark.slow
+def test_no_segments_left_after_a_rank_is_killed():
+    job = f"killtest{os.getpid()}"
+    with pytest.raises(RankFailure):
+        from moe_compile.runtime.launcher import spawn_ranks
+
+        spawn_ranks(kill_worker, 2, timeout=120, env={"MOE_COMPILE_JOB": job})
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"moe_compile_{job}")]
