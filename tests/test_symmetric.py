@@ -244,3 +244,35 @@ def test_no_segments_left_after_a_rank_is_killed():
 
         spawn_ranks(kill_worker, 2, timeout=120, env={"MOE_COMPILE_JOB": job})
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"moe_compile_{job}")]
+
+
+def test_route_map_matches_the_all_to_all_receive_layout():
+    """The sync-free per-row route map (destination rank and row, −1 dropped) lands every row where
+    the all_to_all transport's receiver puts it, including under capacity drops."""
+    from moe_compile.runtime import RoutePlan, keep_counts
+    from moe_compile.runtime.symmetric_transport import SymmetricTransport, route_map
+
+    g = torch.Generator().manual_seed(0)
+    ep, nl = 4, 3
+    for capacity in (10**6, 40, 7):
+        req = torch.randint(0, 9, (ep, ep, nl), generator=g)
+        layout = torch.stack([req, keep_counts(req, capacity)])
+        plans = [RoutePlan.from_layout(layout, r) for r in range(ep)]
+        for me in range(ep):
+            rows = int(req[me].sum())
+            dst, dst_row = route_map(layout, me, rows)
+            expect_rank = torch.full((rows,), -1)
+            expect_row = torch.full((rows,), -1)
+            sent = plans[me].send_index  # kept rows, in (dst, expert) order
+            dests = torch.repeat_interleave(torch.arange(ep), torch.tensor(plans[me].send_splits))
+            for r in range(ep):
+                mine = sent[dests == r]
+                start = sum(plans[r].recv_splits[:me])
+                expect_rank[mine] = r
+                expect_row[mine] = plans[r].recv_pos[start: start + mine.numel()]
+            kept = expect_row >= 0
+            assert torch.equal(dst_row, expect_row) and torch.equal(dst[kept], expect_rank[kept])
+            segs = SymmetricTransport.segments(plans[me])
+            assert sum(n for *_, n in segs) == int(kept.sum())
+            for d, s0, d0, n in segs:
+                assert torch.equal(dst_row[s0: s0 + n], torch.arange(d0, d0 + n)) and bool((dst[s0: s0 + n] == d).all())

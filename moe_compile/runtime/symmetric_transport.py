@@ -83,51 +83,56 @@ class SymmetricTransport(Transport):
         self.leases.release(name)
         return out
 
-    def _rows(self, plan: RoutePlan, num_rows: int):
-        dst, dst_row = route_map(plan.layout, plan.me, num_rows)
-        keep = dst_row >= 0
-        return dst[keep], dst_row[keep], keep.nonzero().squeeze(1)
+    @staticmethod
+    def segments(plan: RoutePlan) -> list[tuple[int, int, int, int]]:
+        """(dst rank, first permuted row, first destination row, rows) of every kept (dst, expert)
+        segment: the route map's rows of one segment are contiguous at both ends, so each moves as
+        one block copy (the per-row ``route_map`` is the same mapping, for kernels that move rows)."""
+        req, keep = plan.layout[0], plan.layout[1]
+        me = plan.me
+        seg_len = req[me].reshape(-1)
+        src0 = (torch.cumsum(seg_len, 0) - seg_len).view(req.shape[1], -1)
+        per_e = keep.sum(0)
+        dst0 = (torch.cumsum(per_e, 1) - per_e) + (torch.cumsum(keep, 0) - keep)[me]
+        rows = keep[me]
+        out = []
+        for (d, e), n in zip(torch.nonzero(rows).tolist(), rows[rows > 0].tolist()):
+            out.append((d, int(src0[d, e]), int(dst0[d, e]), n))
+        return out
 
     def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str, block: str = "") -> torch.Tensor:
         name = payload_name(block, what)
         lease = self.leases.acquire(name)
-        recv = lease.local
-        dst, dst_row, src_rows = self._rows(plan, xs.shape[0])
+        segs = self.segments(plan)
         self.heap.barrier()  # receive slots acquired everywhere
-        peer_rows = 0
-        for p in range(self.ep_size):
-            m = dst == p
-            if bool(m.any()):
-                lease.peer(p).index_copy_(0, dst_row[m], xs.index_select(0, src_rows[m]))  # PUT
-                if p != self.ep_rank:
-                    peer_rows += int(m.sum())
-        recv[plan.valid:].zero_()
+        peers = [lease.peer(p) for p in range(self.ep_size)]
+        for d, s0, d0, n in segs:
+            peers[d][d0: d0 + n].copy_(xs[s0: s0 + n])  # PUT into the destination's receive rows
         self.heap.barrier()  # every row landed
-        self._count_rows(what, xs, peer_rows, src_rows.numel())
-        return recv
+        self._count_rows(what, xs, segs)
+        return lease.local
 
     def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:
         name = payload_name(block, what)
         lease = self.leases.acquire(name)
         lease.local[: plan.valid].copy_(out[: plan.valid])  # expose the rows for peers to GET
-        dst, dst_row, src_rows = self._rows(plan, num_rows)
+        segs = self.segments(plan)
         self.heap.barrier()
-        back = out.new_zeros((num_rows,) + tuple(out.shape[1:]))
-        peer_rows = 0
-        for p in range(self.ep_size):
-            m = dst == p
-            if bool(m.any()):
-                back.index_copy_(0, src_rows[m], lease.peer(p).index_select(0, dst_row[m]))  # GET
-                if p != self.ep_rank:
-                    peer_rows += int(m.sum())
+        back = out.new_empty((num_rows,) + tuple(out.shape[1:])) if plan.send_identity else \
+            out.new_zeros((num_rows,) + tuple(out.shape[1:]))  # dropped rows return as zero
+        peers = [lease.peer(p) for p in range(self.ep_size)]
+        for d, s0, d0, n in segs:
+            back[s0: s0 + n].copy_(peers[d][d0: d0 + n])  # GET from the expert's rank
         self.heap.barrier()  # every member finished reading my rows
         self.leases.release(name)
-        self._count_rows(what, out, peer_rows, src_rows.numel())
+        self._count_rows(what, out, segs)
         return back
 
-    def _count_rows(self, what: str, t: torch.Tensor, peer_rows: int, rows: int) -> None:
+    def _count_rows(self, what: str, t: torch.Tensor, segs: list[tuple[int, int, int, int]]) -> None:
         row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
-        self.stats.add_bytes(self.group_label, what, peer_rows * row_bytes, rows * row_bytes)
+        rows = sum(n for _, _, _, n in segs)
+        peer = sum(n for d, _, _, n in segs if d != self.ep_rank)
+        self.stats.add_bytes(self.group_label, what, peer * row_bytes, rows * row_bytes)
 
     def _move(self, send, send_splits, recv_splits):  # rows move by PUT/GET, never as a collective
         raise NotImplementedError("SymmetricTransport moves rows with dispatch_rows/return_rows")

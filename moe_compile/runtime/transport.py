@@ -50,7 +50,6 @@ class Transport(ABC):
             head.copy_(flat)
         else:
             torch.index_select(flat, 0, plan.recv_inverse, out=head)
-        recv[plan.valid:].zero_()
         return recv
 
     def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:
