@@ -17,7 +17,14 @@ from .frontend.prepare import prepare_for_capture
 from .mesh import MeshSpec
 from .options import CompileOptions
 from .program import Program
-from .runtime import AllToAllTransport, LocalTransport, RuntimeContext, RuntimeStats, register_context
+from .runtime import (
+    AllToAllTransport,
+    LocalTransport,
+    RuntimeContext,
+    RuntimeStats,
+    get_context,
+    register_context,
+)
 from .runtime.lease_runtime import LeaseRuntime
 from .runtime.symmetric import make_heap
 from .runtime.symmetric_transport import SymmetricTransport
@@ -66,10 +73,17 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     transport, leases, kind = make_transport(spec, groups, opts, stats)
     ctx_id = register_context(RuntimeContext(transport, stats, leases=leases))
     canonicalize(blocks, spec.ep_mp, ep_rank, ctx_id)
+    if opts.mxfp8:
+        attach_weight_stores(model, [s for s, _ in blocks], get_context(ctx_id), opts)
     program = Program(
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
     )
+    program.param_names = {id(p): n for n, p in model.named_parameters()}
+    if opts.mxfp8 in ("experts+shared", "all"):
+        program.dense_weight_stores = dense_weight_stores(model, [s for s, _ in blocks], opts)
+        for name, store in program.dense_weight_stores.items():
+            get_context(ctx_id).weight_stores[(name, "w")] = store
     ddp = _reducer(model, program, groups) if groups is not None else None
     prepare_for_capture(model)
     _configure_dynamo()
@@ -96,6 +110,36 @@ def make_transport(spec: MeshSpec, groups, opts: CompileOptions, stats: RuntimeS
         leases = LeaseRuntime(heap, groups.ep_mp, poison=opts.lease_debug)
         return SymmetricTransport(heap, leases, stats), leases, kind
     return AllToAllTransport(groups.ep_mp, stats), None, kind
+
+
+def attach_weight_stores(model: nn.Module, specs, ctx, opts: CompileOptions) -> None:
+    """An FP8WeightStore (MXFP8 compute-weight caches) for every routed-expert weight."""
+    from .train.fp8_weight_store import FP8WeightStore
+
+    params = dict(model.named_parameters())
+    for s in specs:
+        for which, name in (("w_in", s.in_name), ("w_out", s.out_name)):
+            ctx.weight_stores[(s.path, which)] = FP8WeightStore(params[name], name, opts.mxfp8_scale_mode)
+
+
+def dense_weight_stores(model: nn.Module, specs, opts: CompileOptions) -> dict:
+    """FP8WeightStores of the dense linears that run in MXFP8: shared experts ("experts+shared") or
+    every dense linear ("all"), except routers and weights whose dimensions are not multiples of 32
+    (those stay high-precision)."""
+    from .train.fp8_weight_store import FP8WeightStore
+
+    expert = {n for s in specs for n in (s.in_name, s.out_name)}
+    routers = {f"{s.path}.{s.router_attr}.weight".lstrip(".") for s in specs}
+    shared = tuple(f"{s.path}.{s.shared_attr}.".lstrip(".") for s in specs if s.shared_attr)
+    linear = {f"{m}.weight".lstrip(".") for m, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    out = {}
+    for name, p in model.named_parameters():
+        if name not in linear or name in expert or name in routers or p.shape[0] % 32 or p.shape[1] % 32:
+            continue
+        if opts.mxfp8 == "experts+shared" and not name.startswith(shared):
+            continue
+        out[name] = FP8WeightStore(p, name, opts.mxfp8_scale_mode)
+    return out
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:

@@ -15,6 +15,7 @@ from .codegen import lower
 from .ir import Stage, get_stage, set_stage
 from .passes import FORWARD_PASSES, JOINT_PASSES, PassContext, run_passes
 from .passes.base import normalize_capture, tag_moe_nodes
+from .passes.mxfp8_casts import apply_mxfp8
 from .passes.plan_leases import build_plan
 from .program import Program
 
@@ -41,7 +42,8 @@ class MoEBackend:
         fake_mode = detect_fake_mode(example_inputs)
         normalize_capture(gm)
         set_stage(gm, Stage.DENSE)
-        ctx = PassContext(prog, fake_mode)
+        names = [prog.param_names.get(id(t)) for t in example_inputs]
+        ctx = PassContext(prog, fake_mode, input_names=names)
         tag_moe_nodes(gm, ctx)
         prog.graphs["captured"] = snapshot(gm)
         gm = run_passes(gm, ctx, FORWARD_PASSES, debug, "fwd_")
@@ -51,7 +53,7 @@ class MoEBackend:
 
         def partition_fn(joint: fx.GraphModule, joint_inputs, **kw):
             jctx = PassContext(prog, detect_fake_mode(joint_inputs) or fake_mode, is_joint=True,
-                               dispatch=ctx.dispatch, records=ctx.records)
+                               dispatch=ctx.dispatch, records=ctx.records, input_names=names)
             set_stage(joint, stage)
             tag_moe_nodes(joint, jctx)
             joint = run_passes(joint, jctx, JOINT_PASSES, debug, "joint_")
@@ -63,11 +65,12 @@ class MoEBackend:
 
         def compiler(kind: str):
             def compile_graph(g: fx.GraphModule, _inputs):
-                gctx = PassContext(prog, fake_mode, dispatch=ctx.dispatch)
+                gctx = PassContext(prog, fake_mode, dispatch=ctx.dispatch, input_names=names)
                 tag_moe_nodes(g, gctx)
                 if joint_plan:
                     gctx.lease_plan = joint_plan[0]
-                else:  # inference: no backward, so every payload is transient
+                else:  # inference: no joint graph; cast here, and every payload is transient
+                    g = apply_mxfp8(g, gctx)
                     gctx.lease_plan = build_plan(g, gctx)
                     prog.lease_plans["inference"] = gctx.lease_plan
                 g = lower(g, gctx, kind)

@@ -117,6 +117,16 @@ class CompiledMoE(nn.Module):
         ctx = get_context(self.program.ctx_id)
         return {b: {"requested": r, "kept": k} for b, (r, k) in ctx.stats.expert_counts.items()}
 
+    # -- MXFP8 compute weights -------------------------------------------------------------------
+    def compute_weights(self) -> list:
+        """The FP8WeightStores of this rank (empty without mxfp8)."""
+        return list(get_context(self.program.ctx_id).weight_stores.values())
+
+    def refresh_compute_weights(self) -> None:
+        """Copy-back: rebuild every MXFP8 compute-weight cache from its weight (after a step or a load)."""
+        for store in self.compute_weights():
+            store.refresh_from()
+
     def lease_plan(self, which: str = "training"):
         """The compile-time lease plan (moe_compile.leases.LeasePlan) of the last training (or
         "inference") capture: payloads, sizes, lifetimes, slots, high-water per stage and family."""

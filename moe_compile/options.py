@@ -9,7 +9,8 @@ from .errors import OptionError
 
 TRANSPORTS = ("auto", "all_to_all", "symmetric")
 CODEGENS = ("auto", "torch")
-MXFP8_MODES = (None,)
+MXFP8_MODES = (None, "experts", "experts+shared", "all")
+MXFP8_SCALE_MODES = ("rceil", "floor")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class CompileOptions:
     lease_sharing: bool = True  # False: a fixed per-block cache per symmetric payload (no slot reuse)
     lease_debug: bool = False  # poison released symmetric slots (NaN) so stale reads show
     codegen: str = "auto"  # which kernels run the partitioned graph
-    mxfp8: str | None = None  # which linears run in MXFP8
+    mxfp8: str | None = None  # which linears run in MXFP8: experts | experts+shared | all
+    mxfp8_scale_mode: str = "rceil"  # E8M0 scale rule: rceil (no saturation) | floor (OCP)
     debug_dir: str | None = None  # dump graphs before/after each pass here
     fullgraph: bool = True  # the whole model must capture as one graph (lease planning spans layers)
     bucket_mb: float = 25.0  # gradient bucket size
@@ -35,6 +37,8 @@ class CompileOptions:
             raise OptionError(f"codegen={self.codegen!r}: supported values are {CODEGENS}")
         if self.mxfp8 not in MXFP8_MODES:
             raise OptionError(f"mxfp8={self.mxfp8!r}: supported values are {MXFP8_MODES}")
+        if self.mxfp8_scale_mode not in MXFP8_SCALE_MODES:
+            raise OptionError(f"mxfp8_scale_mode={self.mxfp8_scale_mode!r}: supported values are {MXFP8_SCALE_MODES}")
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 

@@ -26,6 +26,8 @@ class Program:
     records: list[PassRecord] = field(default_factory=list)
     compiles: int = 0
     lease_plans: dict[str, object] = field(default_factory=dict)  # "training" / "inference" → LeasePlan
+    param_names: dict[int, str] = field(default_factory=dict)  # id(parameter) → name in the compiled model
+    dense_weight_stores: dict[str, object] = field(default_factory=dict)  # dense linears running in MXFP8
 
     @property
     def num_local(self) -> dict[str, int]:

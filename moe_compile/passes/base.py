@@ -24,9 +24,19 @@ _ROLES = {
     "dispatch": Role.DISPATCH,
     "local_layout": Role.DISPATCH,
     "grouped_ffn": Role.EXPERT_FFN,
+    "grouped_ffn_mx": Role.EXPERT_FFN,
     "combine": Role.COMBINE,
     "unpermute": Role.UNPERMUTE,
+    "quantize_mx": Role.CAST,
+    "weight_cache": Role.CAST,
+    "mx_linear": Role.CAST,
 }
+
+
+def role_of(name: str) -> tuple[Role, bool]:
+    """(role, is backward mirror) of a moe:: op name."""
+    mirror = "_backward" in name
+    return _ROLES[name.replace("_backward", "")], mirror
 
 
 @dataclass
@@ -45,6 +55,7 @@ class PassContext:
     dispatch: dict[str, DispatchSpec] = field(default_factory=dict)  # block → transport shape
     records: list[PassRecord] = field(default_factory=list)
     lease_plan: Any = None  # moe_compile.leases.LeasePlan, once plan_leases ran
+    input_names: list[str | None] = field(default_factory=list)  # graph input index → parameter name
 
 
 PassFn = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -120,15 +131,17 @@ def tag_moe_nodes(gm: fx.GraphModule, ctx: PassContext) -> None:
             n.meta[MOE_META] = MoENodeMeta(block=payload.split("/")[0], role=Role.LEASE, layer_index=-1,
                                            extra={"op": name, "payload": payload})
             continue
-        mirror = name.endswith("_backward")
-        base = name[: -len("_backward")] if mirror else name
+        role, mirror = role_of(name)
         block = op_arg(n, "block")
         spec = prog.blocks.get(block)
         if spec is None:
+            if role == Role.CAST:  # a cast on a dense linear: no MoE block
+                n.meta[MOE_META] = MoENodeMeta(block=block, role=role, layer_index=-1, mirror=mirror)
+                continue
             raise IRError(f"node {n.name} ({name}) names MoE block {block!r}, which the front end never recognised")
         shard = ExpertShard(spec.experts.num_experts, prog.ep_size, prog.ep_rank)
         n.meta[MOE_META] = MoENodeMeta(
-            block=block, role=_ROLES[base], layer_index=spec.index, shard=shard,
+            block=block, role=role, layer_index=spec.index, shard=shard,
             dispatch=ctx.dispatch.get(block), mirror=mirror,
         )
 

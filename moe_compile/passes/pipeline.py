@@ -9,12 +9,13 @@ import torch.fx as fx
 from ..ir import Stage, set_stage
 from .base import MoEPass, PassContext, PassRecord, op_counts, require_stage
 from .insert_dispatch_combine import insert_dispatch_combine
+from .mxfp8_casts import mxfp8_casts
 from .partition_experts import partition_experts
 from .plan_leases import plan_leases
 from .verify import verify
 
 FORWARD_PASSES: list[MoEPass] = [partition_experts, insert_dispatch_combine]
-JOINT_PASSES: list[MoEPass] = [plan_leases]
+JOINT_PASSES: list[MoEPass] = [mxfp8_casts, plan_leases]
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[MoEPass], debug_dir: Path | None = None,

@@ -21,7 +21,8 @@ from ..ops import op_name
 from .base import PassContext, moe_nodes, op_arg, user_line
 
 PARTITIONED_OPS = ("permute", "dispatch", "grouped_ffn", "combine", "unpermute")
-EXPERT_WEIGHT_USERS = {"grouped_ffn", "grouped_ffn_backward", "routed_experts"}
+EXPERT_WEIGHT_USERS = {"grouped_ffn", "grouped_ffn_backward", "routed_experts", "grouped_ffn_mx",
+                       "grouped_ffn_backward_mx", "weight_cache"}
 
 
 def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
@@ -39,9 +40,11 @@ def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
     for n in moe_nodes(gm):
         if MOE_META not in n.meta:
             fail(f"MoE node {n.name} carries no metadata")
-        if op_name(n.target).startswith("lease_"):
+        name = op_name(n.target)
+        if name.startswith("lease_") or name in ("quantize_mx", "weight_cache", "mx_linear"):
             continue
-        per_block.setdefault(op_arg(n, "block"), Counter())[op_name(n.target)] += 1
+        # the MXFP8 expert FFN counts as the expert FFN
+        per_block.setdefault(op_arg(n, "block"), Counter())[name.replace("_mx", "")] += 1
     stage = get_stage(gm)
     for block, c in per_block.items():
         if stage == Stage.DENSE:
@@ -61,7 +64,7 @@ def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
     if stage >= Stage.LEASED and "lease_plan" not in gm.meta:
         fail("a LEASED graph carries no lease plan")
     if stage >= Stage.PARTITIONED:
-        for n in moe_nodes(gm, "grouped_ffn"):
+        for n in moe_nodes(gm, "grouped_ffn") + moe_nodes(gm, "grouped_ffn_mx"):
             for w in (op_arg(n, "w_in"), op_arg(n, "w_out")):
                 others = [u for u in w.users if op_name(u.target) not in EXPERT_WEIGHT_USERS]
                 if others:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import RuntimeFault
 from .lease_runtime import LeaseRuntime
@@ -22,6 +23,13 @@ class RuntimeContext:
     stats: RuntimeStats = field(default_factory=RuntimeStats)
     ctx_id: int = -1
     leases: LeaseRuntime | None = None  # symmetric transport: lease pools over the symmetric heap
+    weight_stores: dict[tuple[str, str], Any] = field(default_factory=dict)  # (block, which) → FP8WeightStore
+
+    def weight_store(self, block: str, which: str) -> Any:
+        try:
+            return self.weight_stores[(block, which)]
+        except KeyError:
+            raise RuntimeFault(f"{block}: no MXFP8 compute-weight cache for {which} (compiled without mxfp8?)") from None
 
     @property
     def ep_size(self) -> int:

@@ -73,8 +73,17 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
         ctx.Process(target=_worker, args=(r, world_size, store_dir, fn, args, q, init_timeout, env), daemon=False)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # children read variables like TRITON_INTERPRET at start, before any import
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     results: dict[int, Any] = {}
     failures: list[tuple[float, int, str]] = []
     deadline = time.time() + timeout

@@ -1,0 +1,208 @@
+"""MXFP8 Triton kernels: row-wise quantise (x → packed qdata–scale rows) and the MXFP8 grouped GEMM
+over expert offsets with ``tl.dot_scaled``.
+
+Tutorial shape: the @triton.jit kernels, their launchers, and the torch references they must match
+(``moe_compile.mxfp8.quantize_packed`` and ``moe_compile.ops.mx.mx_grouped_mm``); tests/test_mxfp8.py
+compares them under the Triton interpreter on CPU.
+
+Import this module only after the interpreter decision is made (TRITON_INTERPRET is read when
+@triton.jit functions are created): ``moe_compile.codegen.kernels.mxfp8_kernels()`` does that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...mxfp8 import BLOCK, packed_width
+
+# -- quantise ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """fp32 (already saturated to ±448) → E4M3 code, round-to-nearest-even, from the fp32 bits.
+
+    Written out instead of ``y.to(tl.float8e4nv)``: the Triton interpreter's emulated cast rounds
+    wrongly when the rounding carries into the exponent (triton #8322), on exact ties, and for
+    subnormal inputs; integer rounding gives the hardware result everywhere."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    e = ((bits >> 23) & 0xFF) - 127
+    mant = bits & 0x7FFFFF
+    # normal E4M3 results (e ≥ −6): keep 3 mantissa bits, round on the 20 dropped ones; a carry out
+    # of the mantissa increments the exponent field by plain integer addition
+    normal = (((e + 7) << 3) | (mant >> 20))
+    rem = mant & 0xFFFFF
+    normal += ((rem > 0x80000) | ((rem == 0x80000) & ((normal & 1) == 1))).to(tl.int32)
+    # subnormal E4M3 results (e < −6): the significand in units of 2^−9, rounded to nearest even
+    sig = tl.where(e == -127, mant, mant | 0x800000)
+    shift = tl.minimum(tl.where(e == -127, 140, 14 - e), 31)
+    q = sig >> shift
+    low = sig - (q << shift)
+    half = 1 << (shift - 1)
+    sub = q + ((low > half) | ((low == half) & ((q & 1) == 1))).to(tl.int32)
+    sub = tl.where(shift >= 26, 0, sub)  # below half the smallest subnormal
+    code = tl.where(e >= -6, normal, sub) | sign
+    return tl.where(y != y, 0x7F, code)  # NaN
+
+
+
+
+@triton.jit
+def _quantize_tile(x, RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 tile [BLOCK_M, BLOCK_K] → (E4M3 codes [BLOCK_M, BLOCK_K], E8M0 exponents [BLOCK_M, BLOCK_K/32])."""
+    xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
+    amax = tl.max(tl.abs(xb), axis=2)
+    # tl.max does not propagate NaN (its maximum ignores NaN): a block with a NaN gets a NaN amax here,
+    # as torch.amax gives it, so the NaN convention (scale 255) holds.
+    has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
+    amax = tl.where(has_nan, float("nan"), amax)
+    if RCEIL:
+        descale = amax / 448.0
+        bits = descale.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        mant = bits & 0x7FFFFF
+        e = tl.where(mant > 0, exp + 1, exp)
+        e = tl.where(exp == -127, tl.where(mant > (1 << 22), -126, -127), e)  # subnormal descale
+        e = tl.minimum(tl.maximum(e, -127), 127) + 127
+        e = tl.where(amax == float("inf"), 254, e)
+        # multiplier 2^(127 − e), built from exponent bits: biased exponent 254 − e
+        rcp = ((254 - e) << 23).to(tl.float32, bitcast=True)
+        rcp = tl.where(e == 254, 2.0**-127, rcp)
+        rcp = tl.where(e == 0, 1.0, rcp)
+        e = tl.where(amax != amax, 255, e)
+        rcp = tl.where(amax != amax, amax, rcp)  # NaN block stays NaN
+        y = tl.reshape(xb * rcp[:, :, None], (BLOCK_M, BLOCK_K))
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127 - 8, -127), 128) + 127
+        e = tl.where(amax != amax, 255, e)
+        scale = tl.maximum((e << 23).to(tl.float32, bitcast=True), 2.0**-126)
+        y = tl.reshape(xb / scale[:, :, None], (BLOCK_M, BLOCK_K))
+    y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # saturate; NaN stays NaN
+    return _e4m3_bits(y), e
+
+
+@triton.jit
+def _store_packed(out_ptr, q, e, rows, pid_k, M, K, stride_o, BLOCK_K: tl.constexpr):
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], q.to(tl.uint8),
+             mask=(rows[:, None] < M) & (cols[None, :] < K))
+    scols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    tl.store(out_ptr + rows[:, None] * stride_o + K + scols[None, :], e.to(tl.uint8),
+             mask=(rows[:, None] < M) & (scols[None, :] < K // 32))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, out_ptr, M, K, stride_x, stride_o,
+                     RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, e = _quantize_tile(x, RCEIL, BLOCK_M, BLOCK_K)
+    _store_packed(out_ptr, q, e, rows, pid_k, M, K, stride_o, BLOCK_K)
+
+
+@triton.jit
+def _swiglu_quantize_kernel(pre_ptr, out_ptr, M, H, stride_p, stride_o,
+                            RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # pre = [gate | up] (the first GEMM's output); a = silu(gate) · up, quantised along h.
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < H)
+    g = tl.load(pre_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(pre_ptr + rows[:, None] * stride_p + H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g)) * u
+    q, e = _quantize_tile(a, RCEIL, BLOCK_M, BLOCK_K)
+    _store_packed(out_ptr, q, e, rows, pid_k, M, H, stride_o, BLOCK_K)
+
+
+def quantize(x: torch.Tensor, mode: str = "rceil", block_m: int = 64, block_k: int = 64) -> torch.Tensor:
+    """Launcher: packed qdata–scale rows of x [M, K] (K a multiple of 32), as mxfp8.quantize_packed."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty(x2.shape[0], packed_width(k), dtype=torch.uint8, device=x.device)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(k, block_k))
+    _quantize_kernel[grid](x2, out, x2.shape[0], k, x2.stride(0), out.stride(0),
+                           RCEIL=mode == "rceil", BLOCK_M=block_m, BLOCK_K=block_k)
+    return out.reshape(*x.shape[:-1], packed_width(k))
+
+
+def swiglu_quantize(pre: torch.Tensor, mode: str = "rceil", block_m: int = 64, block_k: int = 64) -> torch.Tensor:
+    """Launcher: packed MXFP8 rows of silu(gate)·up for pre = [gate | up] [M, 2h] (the fused form of
+    grouped_ffn_mx's activation and its quantise)."""
+    h = pre.shape[-1] // 2
+    p2 = pre.reshape(-1, 2 * h).contiguous()
+    out = torch.empty(p2.shape[0], packed_width(h), dtype=torch.uint8, device=pre.device)
+    block_k = min(block_k, triton.next_power_of_2(h))
+    grid = (triton.cdiv(p2.shape[0], block_m), triton.cdiv(h, block_k))
+    _swiglu_quantize_kernel[grid](p2, out, p2.shape[0], h, p2.stride(0), out.stride(0),
+                                  RCEIL=mode == "rceil", BLOCK_M=block_m, BLOCK_K=block_k)
+    return out.reshape(*pre.shape[:-1], packed_width(h))
+
+
+# -- MXFP8 grouped GEMM -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K, G,
+                         stride_a, stride_bg, stride_bn, stride_c,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Static grid: tiles of every group laid end to end (≤ cdiv(M, BLOCK_M) + G of them). Each program
+    # walks the per-expert counts to find its group and row tile; programs past the last tile exit.
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    row0 = 0
+    tiles_before = 0
+    group = -1
+    tile_start = 0
+    g_end = 0
+    for g in range(G):
+        n_rows = tl.load(counts_ptr + g).to(tl.int32)
+        n_tiles = tl.cdiv(n_rows, BLOCK_M)
+        hit = (tile >= tiles_before) & (tile < tiles_before + n_tiles)
+        group = tl.where(hit, g, group)
+        tile_start = tl.where(hit, row0 + (tile - tiles_before) * BLOCK_M, tile_start)
+        g_end = tl.where(hit, row0 + n_rows, g_end)
+        row0 += n_rows
+        tiles_before += n_tiles
+    if group < 0:
+        return
+    rows = tile_start + tl.arange(0, BLOCK_M)
+    rmask = rows < g_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ss = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        kmask = ks < K
+        smask = ss < K // 32
+        a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
+        a_s = tl.load(a_ptr + rows[:, None] * stride_a + K + ss[None, :], mask=rmask[:, None] & smask[None, :],
+                      other=127)
+        b = tl.load(b_ptr + group * stride_bg + cols[:, None] * stride_bn + ks[None, :],
+                    mask=cmask[:, None] & kmask[None, :], other=0)
+        b_s = tl.load(b_ptr + group * stride_bg + cols[:, None] * stride_bn + K + ss[None, :],
+                      mask=cmask[:, None] & smask[None, :], other=127)
+        acc = tl.dot_scaled(a, a_s, "e4m3", tl.trans(b), b_s, "e4m3", acc)
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rows[:, None] * stride_c + cols[None, :], c, mask=rmask[:, None] & cmask[None, :])
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, out_dtype: torch.dtype,
+                 block_m: int = 64, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """Launcher: rows of group g of ``a`` [M, K] (packed along K) times ``b[g]ᵀ`` ([N, K] packed along
+    K) → [M, N] in ``out_dtype`` (rows past Σ counts are left unwritten), as ops.mx.mx_grouped_mm."""
+    k = a.shape[1] * BLOCK // (BLOCK + 1)
+    g_count, n = b.shape[0], b.shape[1]
+    c = torch.empty(a.shape[0], n, dtype=out_dtype, device=a.device)
+    grid = (triton.cdiv(a.shape[0], block_m) + g_count, triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](a, b, c, counts, n, k, g_count, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return c
