@@ -31,3 +31,25 @@ def act_backward(name: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     if name == "relu":
         return torch.ops.aten.threshold_backward(grad, F.relu(x), 0)
     raise ValueError(f"unknown expert activation {name!r}; supported: {ACTIVATIONS}")
+
+
+def ffn_activation(pre: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+    """The expert FFN's hidden activation from the first GEMM's output: act(gate)·up (gated, pre =
+    [gate | up]) or act(pre)."""
+    if gated:
+        g, u = pre.chunk(2, dim=-1)
+        return act_forward(activation, g) * u
+    return act_forward(activation, pre)
+
+
+def ffn_activation_backward(grad_a: torch.Tensor, pre: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+    """Gradient w.r.t. ``pre`` of ``ffn_activation``, as eager autograd computes it ([gate | up] side
+    by side, without a cat)."""
+    if not gated:
+        return act_backward(activation, grad_a, pre)
+    g, u = pre.chunk(2, dim=-1)
+    h = g.shape[1]
+    out = pre.new_empty(pre.shape)
+    out[:, :h] = act_backward(activation, grad_a * u, g)
+    torch.mul(grad_a, act_forward(activation, g), out=out[:, h:])
+    return out

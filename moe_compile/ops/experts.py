@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .activations import act_backward, act_forward
+from .activations import ffn_activation, ffn_activation_backward
 from .grouped_mm import grouped_mm
 
 # -- permute ------------------------------------------------------------------------------------
@@ -124,12 +124,7 @@ unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup)
 
 def _ffn_rows(x, counts, w_in, w_out, activation, gated):
     pre = grouped_mm(x, w_in.transpose(-2, -1), counts)
-    if gated:
-        g, u = pre.chunk(2, dim=-1)
-        a = act_forward(activation, g) * u
-    else:
-        a = act_forward(activation, pre)
-    return grouped_mm(a, w_out.transpose(-2, -1), counts), pre
+    return grouped_mm(ffn_activation(pre, activation, gated), w_out.transpose(-2, -1), counts), pre
 
 
 @torch.library.custom_op("moe::grouped_ffn", mutates_args=())
@@ -179,21 +174,9 @@ def grouped_ffn_backward(
     if not valid:
         return torch.empty_like(recv), torch.zeros_like(w_in), torch.zeros_like(w_out)
     go, x, p = grad_out[:valid], recv[:valid], pre[:valid]
-    if gated:
-        g, u = p.chunk(2, dim=-1)
-        ag = act_forward(activation, g)
-        a = ag * u
-    else:
-        a = act_forward(activation, p)
     g_a = grouped_mm(go, w_out, counts)
-    g_w_out = grouped_mm(go.t(), a, counts)
-    if gated:
-        h = g.shape[1]
-        g_pre = p.new_empty(p.shape)  # [gate | up] gradients side by side, without a cat
-        g_pre[:, :h] = act_backward(activation, g_a * u, g)
-        torch.mul(g_a, ag, out=g_pre[:, h:])
-    else:
-        g_pre = act_backward(activation, g_a, p)
+    g_w_out = grouped_mm(go.t(), ffn_activation(p, activation, gated), counts)
+    g_pre = ffn_activation_backward(g_a, p, activation, gated)
     g_recv = _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
     g_w_in = grouped_mm(g_pre.t(), x, counts)
     return g_recv, g_w_in, g_w_out

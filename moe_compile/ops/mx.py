@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..mxfp8 import dequantize_packed, packed_width, quantize_packed
-from .activations import act_backward, act_forward
+from .activations import ffn_activation, ffn_activation_backward
 from .grouped_mm import grouped_mm
 
 
@@ -79,11 +79,7 @@ def grouped_ffn_mx(
     valid = int(counts.sum())
     if valid:
         p = mx_grouped_mm(recv[:valid], w_in, counts, dtype)
-        if gated:
-            g, u = p.chunk(2, dim=-1)
-            a = act_forward(activation, g) * u
-        else:
-            a = act_forward(activation, p)
+        a = ffn_activation(p, activation, gated)
         out[:valid] = mx_grouped_mm(quantize_packed(a, mode), w_out, counts, dtype)
         pre[:valid] = p
     return out, pre
@@ -118,21 +114,9 @@ def grouped_ffn_backward_mx(
         return g_recv, torch.zeros_like(w_in), torch.zeros_like(w_out)
     go_p, p = grad_out[:valid], pre[:valid]
     go = dequantize_packed(go_p, d)  # high-precision operand of the weight-gradient GEMM
-    if gated:
-        g, u = p.chunk(2, dim=-1)
-        ag = act_forward(activation, g)
-        a = ag * u
-    else:
-        a = act_forward(activation, p)
     g_a = mx_grouped_mm(go_p, w_out_t, counts, dtype)  # input-gradient GEMM in MXFP8 (along d)
-    g_w_out = grouped_mm(go.t(), a.float(), counts)  # fp32 operands and accumulation
-    if gated:
-        h = g.shape[1]
-        g_pre = p.new_empty(p.shape)
-        g_pre[:, :h] = act_backward(activation, g_a * u, g)
-        torch.mul(g_a, ag, out=g_pre[:, h:])
-    else:
-        g_pre = act_backward(activation, g_a, p)
+    g_w_out = grouped_mm(go.t(), ffn_activation(p, activation, gated).float(), counts)  # fp32 operands
+    g_pre = ffn_activation_backward(g_a, p, activation, gated)
     g_recv[:valid] = mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype)
     x = dequantize_packed(recv[:valid], d)
     g_w_in = grouped_mm(g_pre.float().t(), x, counts)
