@@ -64,10 +64,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000002"
     assert (tmp_path / ".step_00000003.partial").is_dir()  # the interrupted save's files, never referenced
 
-    cm2, opt2 = trained(seed=1, steps=0)
-    state = load_checkpoint(tmp_path, cm2, opt2)
+    assert not same(snapshot(cm, opt), at2)
+    state = load_checkpoint(tmp_path, cm, opt)  # back to step 2
     assert (state.step, state.data_position, state.optimizer_step) == (2, 2, 2)
-    assert same(snapshot(cm2, opt2), at2)
+    assert same(snapshot(cm, opt), at2)
 
     save_checkpoint(tmp_path, cm, opt, step=3, data_position=3, keep_last=1)
     assert latest_checkpoint(tmp_path).name == "step_00000003"
@@ -85,7 +85,8 @@ def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
         load_checkpoint(ck, other, oopt)
     assert same(snapshot(other, oopt), before)
 
-    tgt, topt = trained(seed=1, steps=1)
+    tgt, topt = cm, opt  # trained on past the checkpoint: a load would change it
+    train_step(tgt, topt, make_batches(1, seed=9))
     before = snapshot(tgt, topt)
     bad = tmp_path / "t" / ck.name
     shutil.copytree(ck, bad)
@@ -111,6 +112,8 @@ def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_checkpoint(tmp_path / "t", tgt, topt)
     assert same(snapshot(tgt, topt), before)
+    load_checkpoint(ck, tgt, topt)  # the intact original still loads, and does change the target
+    assert not same(snapshot(tgt, topt), before)
 
 
 def bf16_worker(rank, world):

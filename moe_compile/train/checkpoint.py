@@ -25,11 +25,13 @@ overwrites nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,6 +99,14 @@ def _dcp_errors() -> tuple[type[BaseException], ...]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that one process is one process; we pass no_dist on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:
@@ -202,7 +212,8 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     state = _state(cm, opt, fresh=False)
     state.update(_train_tensors(step, data_position, opt.step_count, opt.skipped_steps))
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not _dist())
+        with _quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not _dist())
     except _dcp_errors() as e:
         raise CheckpointError(f"saving checkpoint {final} failed ({_brief(e)}); the previous checkpoint is "
                               "untouched") from e
@@ -307,7 +318,8 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     to_read.update(train)
     err = ""
     try:
-        dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _dist())
+        with _quiet():
+            dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _dist())
     except _dcp_errors() as e:  # re-raised on every rank as CheckpointError
         err = _brief(e)
     if not _all_ok(not err):

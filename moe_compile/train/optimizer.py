@@ -24,7 +24,8 @@ checkpoint-view DTensors as they stand: topology-portable, no rank holding a ful
         copy-back   all_gather the main flat over the family group → each parameter's local FP32 main
                     → every registered compute weight .refresh_from(main)
 
-Compute weights: by default the parameter tensor itself (FP32 or BF16; copy-back casts). Derived
+FP32 main weights start from the compute weights at construction (for a BF16 model that is the BF16
+anchor; load a checkpoint to start from FP32 values). Compute weights: by default the parameter tensor itself (FP32 or BF16; copy-back casts). Derived
 caches (an FP8WeightStore's MXFP8 qdata/scale per orientation) register with
 ``add_compute_weight(name, obj)``; they are refreshed after every applied step and after a load.
 """
