@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import fields
 
+from .errors import OptionError
 from .train.loop import TrainConfig, print_summary, train_rank
 
 
@@ -30,17 +31,35 @@ def _train_parser(sub) -> None:
     p.add_argument("--data", default=None, help="local text file, byte-level tokens (default: synthetic)")
     p.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step here")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16", "mxfp8"], default="fp32",
+                   help="fp32; bf16 (model in BF16, FP32 main weights in the optimizer); mxfp8 (routed experts)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="M", help="microbatches per optimizer step")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--ckpt", default=None, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps (and at the end when --ckpt is given)")
+    p.add_argument("--keep-last", type=int, default=3, help="complete checkpoints to keep in --ckpt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --ckpt, under the --mesh and --ranks given now")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["model"] = args.hf or "tiny"
+    if not kw.get("max_grad_norm"):
+        kw["max_grad_norm"] = None
     return TrainConfig(**kw)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    try:
+        cfg = _config(args)
+    except OptionError as e:
+        print(f"moe-compile train: {e}", file=sys.stderr)
+        return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         import torch.distributed as dist
 

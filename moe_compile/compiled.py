@@ -79,11 +79,25 @@ class CompiledMoE(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameter tensors on every rank, keyed by the original model's parameter names."""
-        return self._full(lambda _n, p: p)
+        return self._full(lambda n, p: self.weight_value(n, p))
+
+    def weight_value(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A parameter's full-precision value: an FP8WeightStore's main weight once its BF16 anchor
+        was released (the parameter then holds no values), else the tensor itself."""
+        for store in self.compute_weights():
+            if store.name == name and store.anchor_released:
+                return store.value().to(t.dtype)
+        return t
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Full (reduced) gradients, keyed by the original model's parameter names. Collective."""
-        return self._full(lambda n, p: p.grad if p.grad is not None else torch.zeros_like(p))
+        return self._full(self._grad_of)
+
+    def _grad_of(self, _name: str, p: torch.Tensor) -> torch.Tensor:
+        """The optimizer-facing gradient: the bucket's main_grad under DDP, else p.grad."""
+        if self.ddp is not None and p.requires_grad:
+            return self.ddp.main_grad(p)
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Checkpoint views: DTensors over the dense mesh (replicated) and the MoE mesh (experts

@@ -29,3 +29,7 @@ class IRError(MoECompileError):
 
 class RuntimeFault(MoECompileError, RuntimeError):
     """A runtime guard fired (transport, capacity, buffer lifetime)."""
+
+
+class CheckpointError(MoECompileError):
+    """A checkpoint that is missing, incomplete, truncated, or does not match the model."""

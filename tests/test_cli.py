@@ -1,4 +1,5 @@
-"""`moe-compile train`: spawns its own ranks, shows progress, writes per-step JSONL, ends with a summary."""
+"""`moe-compile train`: spawns its own ranks, shows progress, writes per-step JSONL, ends with a summary.
+(Checkpointing and --resume through the CLI: tests/test_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ def test_train_two_ranks_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "moe_compile.cli", "train", "--steps", "4", "--ranks", "2", "--mesh", "ep_mp=2",
-         "--seq-len", "32", "--metrics-jsonl", str(metrics)],
+         "--seq-len", "32", "--metrics-jsonl", str(metrics), "--precision", "bf16", "--grad-accum", "2"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all({"step", "loss", "grad_norm", "tokens", "seconds"} <= set(r) for r in rows)
-    assert all(r["tokens"] == 4 * 32 * 2 for r in rows)
+    assert all(r["tokens"] == 4 * 32 * 2 * 2 for r in rows)  # batch · seq · dp · m
+    assert not any(r["skipped"] for r in rows)
     assert "step    4/4 | loss" in proc.stdout and "tok/s" in proc.stdout
     assert "done: tiny on mesh dp=2,cp=1,pp=1,ep_dp=1,ep_mp=2 (2 ranks), 4 steps" in proc.stdout
     assert rows[-1]["loss"] < rows[0]["loss"]
@@ -44,3 +46,9 @@ def test_bad_mesh_is_reported(tmp_path):
     )
     assert proc.returncode != 0
     assert "but the world has 1" in proc.stderr
+
+
+def test_bad_training_options_are_reported():
+    proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "train", "--save-every", "5"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "--resume and --save-every need --ckpt DIR" in proc.stderr, proc.stderr

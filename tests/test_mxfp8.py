@@ -244,34 +244,61 @@ def test_ep_mxfp8_matches_single_process_mxfp8(world, mesh, transports):
 
 
 def test_fp8_weight_store_refresh_and_checkpoints(tmp_path):
+    """BF16 model, MXFP8 experts, FP32-main optimizer: caches are refreshed from the FP32 main weight
+    after every step (copy-back), never checkpointed, and outlive the release of the BF16 anchor."""
+    from moe_compile.train.optimizer import OLMoDDPOptimizer
+
+    cm = moe_compile(_mx_model().bfloat16(), mxfp8="experts")
+    b = make_batches(1)[0]
+    opt = OLMoDDPOptimizer(cm, lr=1e-2)
+    stores = cm.compute_weights()
+    assert len(stores) == 6 and all(not isinstance(s, torch.nn.Parameter) for s in stores)
+
+    def mains():
+        return {s.name: next(m for f in opt.families for sl, m in zip(f.slots, opt._gather(f, "main"))
+                             if sl.name == s.name) for s in stores}
+
+    before = {s.name: s.caches["fwd"].clone() for s in stores}
+    cm(input_ids=b, labels=b).loss.backward()
+    # gradients stay high-precision (GEMMs accumulate in fp32; the FP32 main_grad buckets hold them
+    # under DDP; in one process they arrive in the parameter's BF16), never FP8
+    assert all(opt._main_grad(p).dtype in (torch.bfloat16, torch.float32) for p in cm.parameters())
+    opt.step()
+    opt.zero_grad()
+    for s in stores:
+        main = mains()[s.name]
+        assert main.dtype == torch.float32
+        assert not torch.equal(s.caches["fwd"], before[s.name]), s.name  # changed after the step
+        assert torch.equal(s.caches["fwd"], quantize_packed(main))  # == a fresh quantisation of the FP32 main
+        assert torch.equal(s.caches["t"], quantize_packed(main.transpose(-2, -1).contiguous()))
+    sd = cm.state_dict()
+    assert set(sd) == {n for n, _ in cm.model.named_parameters()} | {n for n, _ in cm.model.named_buffers()}
+    assert not any(t.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu) for t in sd.values())
+    # release the BF16 anchors: the FP32 main weight is then the only full-precision copy
+    assert opt.release_anchors() == 6
+    assert all(s.param.stride() == (0, 0, 0) for s in stores)
+    loss = cm(input_ids=b, labels=b).loss
+    loss.backward()
+    opt.step()
+    for s in stores:
+        main = mains()[s.name]
+        assert torch.equal(s.caches["fwd"], quantize_packed(main))
+        assert torch.equal(cm.state_dict()[s.name].float(), main.bfloat16().float())  # checkpoints read it
+    torch.save(cm.state_dict(), tmp_path / "model.pt")
+    assert all(t.stride()[0] > 0 for t in torch.load(tmp_path / "model.pt").values() if t.dim())
+
+
+def test_fp8_weight_store_follows_an_in_place_optimizer():
+    """Without an FP32-main optimizer (torch AdamW on the parameters), a cache refreshes itself when
+    its parameter changed, before the next use."""
     cm = moe_compile(_mx_model(), mxfp8="experts")
     b = make_batches(1)[0]
     opt = torch.optim.AdamW(cm.parameters(), lr=1e-2)
-    stores = cm.compute_weights()
-    assert len(stores) == 6 and all(not isinstance(s, torch.nn.Parameter) for s in stores)
-    before = {s.name: s.caches["fwd"].clone() for s in stores}
     cm(input_ids=b, labels=b).loss.backward()
-    assert all(p.grad.dtype == torch.float32 for p in cm.parameters())  # gradients stay high-precision
     opt.step()
-    cm(input_ids=b, labels=b)  # the next forward uses the refreshed caches
-    for s in stores:
-        assert not torch.equal(s.caches["fwd"], before[s.name]), s.name  # changed after the step
-        w = s.value()
-        assert torch.equal(s.caches["fwd"], quantize_packed(w))  # == a fresh quantisation of the weight
-        assert torch.equal(s.caches["t"], quantize_packed(w.transpose(-2, -1).contiguous()))
-    sd = cm.state_dict()
-    assert not any("cache" in k for k in sd) and all(v.dtype == torch.float32 for v in sd.values())
-    torch.save(sd, tmp_path / "ckpt.pt")
-    saved = torch.load(tmp_path / "ckpt.pt")
-    assert not any(t.dtype in (torch.uint8, torch.float8_e4m3fn) for t in saved.values())
-    # release the BF16 anchor once an "optimizer" holds the FP32 main weight
-    s = stores[0]
-    main = s.param.detach().clone()
-    s.release_anchor(main)
-    assert s.param.stride() == (0, 0, 0) and torch.equal(s.caches["fwd"], quantize_packed(main))
-    main.add_(0.1)
-    s.refresh_from()
-    assert torch.equal(s.caches["fwd"], quantize_packed(main))
+    cm(input_ids=b, labels=b)
+    for s in cm.compute_weights():
+        assert torch.equal(s.caches["fwd"], quantize_packed(s.param.detach()))
 
 
 def test_mxfp8_needs_multiples_of_32():

@@ -23,19 +23,24 @@ def _stage_meshes(cm: CompiledMoE):
     return g.dense_mesh["dp", "cp"], g.moe_mesh["ep_dp", "ep_mp"]
 
 
-def checkpoint_views(cm: CompiledMoE) -> dict[str, Any]:
+def checkpoint_views(cm: CompiledMoE, fresh: bool = False) -> dict[str, Any]:
+    """Views of the model's state; ``fresh``: over new storage of the same layout (a load stages into it)."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if fresh else t.detach()
+
     if cm.groups is None:
-        return {k: v.detach() for k, v in cm.model.state_dict().items()}
+        return {k: own(cm.weight_value(k, v)) for k, v in cm.model.state_dict().items()}
     dense_mesh, moe_mesh = _stage_meshes(cm)
     ep = cm.program.ep_size
     out: dict[str, Any] = {}
     for name, t in cm.model.state_dict().items():
+        t = own(cm.weight_value(name, t))
         if cm.is_expert_param(name):
             shape = (t.shape[0] * ep,) + tuple(t.shape[1:])
-            out[name] = DTensor.from_local(t.detach(), moe_mesh, [Replicate(), Shard(0)], run_check=False,
+            out[name] = DTensor.from_local(t, moe_mesh, [Replicate(), Shard(0)], run_check=False,
                                            shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
         else:
-            out[name] = DTensor.from_local(t.detach(), dense_mesh, [Replicate(), Replicate()], run_check=False)
+            out[name] = DTensor.from_local(t, dense_mesh, [Replicate(), Replicate()], run_check=False)
     return out
 
 
@@ -54,6 +59,12 @@ def load_checkpoint_views(cm: CompiledMoE, state_dict: dict[str, Any], strict: b
             local = local[cm.program.ep_rank * nl: (cm.program.ep_rank + 1) * nl]
         if local.shape != own[name].shape:
             raise MoECompileError(f"{name}: checkpoint tensor shape {tuple(local.shape)} != model {tuple(own[name].shape)}")
+        released = [s for s in cm.compute_weights() if s.name == name and s.anchor_released]
         with torch.no_grad():
-            own[name].copy_(local)
+            if released:  # the parameter holds no values: the store's main weight does
+                released[0].refresh_from(local.float())
+            else:
+                own[name].copy_(local)
+    if not any(s.anchor_released for s in cm.compute_weights()):
+        cm.refresh_compute_weights()  # copy-back after a load
     return missing, unexpected

@@ -1,7 +1,10 @@
 """Training data: a synthetic token stream (default) or byte-level tokens of a local text file.
 
-Each data-parallel rank reads its own slice: batch ``step`` of rank ``r`` is deterministic in
-(seed, step, r), so a resumed run sees exactly the batches an uninterrupted one would.
+Batches are addressed by a global microbatch index: microbatch ``i`` is deterministic in (seed, i).
+A step consumes dp·m of them — data-parallel rank r's microbatch j of the step starting at position P
+is index P + r·m + j — so the data position (the next index) is one integer that a checkpoint holds,
+and a resumed run, on the same or another topology, continues with exactly the microbatches an
+uninterrupted run would read next.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ class SyntheticStream:
         g = torch.Generator().manual_seed(self.seed)
         self.next_tokens = torch.randint(0, self.vocab_size, (self.vocab_size, self.branching), generator=g)
 
-    def batch(self, step: int, rank: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(hash((self.seed, step, rank)) & 0x7FFFFFFF)
+    def batch(self, index: int) -> torch.Tensor:
+        """Microbatch ``index`` [batch_size, seq_len]."""
+        g = torch.Generator().manual_seed(hash((self.seed, index)) & 0x7FFFFFFF)
         tok = torch.randint(0, self.vocab_size, (self.batch_size,), generator=g)
         seq = [tok]
         for _ in range(self.seq_len - 1):
@@ -52,7 +56,13 @@ class ByteFileStream:
             raise ValueError(f"--data {self.path}: {len(data)} bytes is shorter than one sequence ({self.seq_len})")
         self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
-    def batch(self, step: int, rank: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(hash((self.seed, step, rank)) & 0x7FFFFFFF)
+    def batch(self, index: int) -> torch.Tensor:
+        """Microbatch ``index`` [batch_size, seq_len]: windows at seeded random offsets."""
+        g = torch.Generator().manual_seed(hash((self.seed, index)) & 0x7FFFFFFF)
         starts = torch.randint(0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=g)
         return torch.stack([self.tokens[s: s + self.seq_len] for s in starts.tolist()])
+
+
+def step_microbatches(stream, position: int, dp_rank: int, m: int) -> list[torch.Tensor]:
+    """Data-parallel rank ``dp_rank``'s m microbatches of the step that starts at ``position``."""
+    return [stream.batch(position + dp_rank * m + j) for j in range(m)]

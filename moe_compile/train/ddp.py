@@ -9,10 +9,22 @@ zeroing) stay unchanged by a later reduction. Dense: mean over dp·cp. An expert
 gradient sums the tokens of its whole EP-MP group, so incoming expert gradients are pre-scaled by
 1/ep_mp (a tensor hook, before accumulation) and then averaged over ep_dp: (1/ep_dp)·Σ(1/ep_mp)·Σ = 1/(dp·cp)·Σ.
 
-Gradients live as views into flat persistent buckets (one per family and dtype, split at
-``bucket_bytes``). A bucket's all-reduce starts (async) as soon as all its gradients are accumulated,
-in bucket order on every rank (collectives must match across ranks); the end-of-backward callback
-starts the rest and waits. ``no_sync()`` defers reduction for gradient accumulation.
+Gradients live in flat persistent buckets (one per family and gradient dtype, split at
+``bucket_bytes``); ``main_grad(p)`` is a parameter's view into its bucket, the optimizer-facing
+gradient. Two modes:
+
+    grad_dtype = param dtype (default): p.grad *is* the bucket view; autograd accumulates into it.
+    grad_dtype = float32 for BF16 params: each post-accumulate hook adds p.grad into the FP32 bucket
+                 and drops p.grad, so accumulation over microbatches and the reduction run in FP32.
+
+A bucket's all-reduce starts (async) as soon as all its gradients are accumulated, in bucket order on
+every rank (collectives must match across ranks); the end-of-backward callback starts the rest and
+waits. Under a fully captured graph the compiled backward returns all gradients at once, so the
+overlap is with the tail of the backward that autograd still runs (AccumulateGrad, hooks), not with
+the compiled region itself.
+
+Gradient accumulation over m microbatches: run the first m−1 backwards under ``no_sync()``; the
+last one reduces the accumulated total once.
 """
 
 from __future__ import annotations
@@ -41,18 +53,27 @@ class GradBucket:
     group: dist.ProcessGroup | None
     scale: float
     params: list[nn.Parameter]
-    flat: torch.Tensor  # [Σ numel] persistent gradient storage; param grads are views into it
+    flat: torch.Tensor  # [Σ numel] persistent gradient storage (grad dtype); main_grads are views into it
     offsets: list[int]
     ready: set[int] = field(default_factory=set)
     work: object = None
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
-        return self.flat[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        return self.flat[self.offsets[i]: self.offsets[i] + p.numel()].view(p.shape)
+
+    def adopts(self, i: int) -> bool:
+        """p.grad is the bucket view itself (same dtype); otherwise grads are moved into the bucket."""
+        return self.flat.dtype == self.params[i].dtype
 
     def adopt(self, i: int) -> None:
-        """Make params[i].grad a view into the bucket (copying a grad autograd created elsewhere)."""
+        """Bring params[i]'s gradient into the bucket (copying a grad autograd created elsewhere)."""
         p, v = self.params[i], self.view(i)
+        if not self.adopts(i):
+            if p.grad is not None:
+                v.add_(p.grad)
+                p.grad = None
+            return
         if p.grad is None:
             v.zero_()
         elif p.grad.data_ptr() != v.data_ptr():
@@ -65,37 +86,59 @@ class GradBucket:
 
 
 class MultiGroupDistributedDataParallel:
-    def __init__(self, families: list[ParamFamily], bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, families: list[ParamFamily], bucket_bytes: int = 25 * 2**20,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.families = families
+        self.bucket_bytes = bucket_bytes
         self.buckets: list[GradBucket] = []
         self._where: dict[int, tuple[GradBucket, int]] = {}
         self._sync = True
         self._in_backward = False
         self._next = 0
-        for fam in families:
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in reversed([p for p in fam.params if p.requires_grad]):  # backward order, roughly
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype, params in by_dtype.items():
-                chunk: list[nn.Parameter] = []
-                size = 0
-                for p in params:
-                    chunk.append(p)
-                    size += p.numel() * p.element_size()
-                    if size >= bucket_bytes:
-                        self._add_bucket(fam, dtype, chunk)
-                        chunk, size = [], 0
-                if chunk:
-                    self._add_bucket(fam, dtype, chunk)
+        self._build_buckets(grad_dtype)
         for b in self.buckets:
-            for i, p in enumerate(b.params):
-                b.adopt(i)
+            for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook)
         for fam in families:
             if fam.pre_scale != 1.0:
                 for p in fam.params:
                     if p.requires_grad:
                         p.register_hook(lambda g, s=fam.pre_scale: g * s)
+
+    def _build_buckets(self, grad_dtype: torch.dtype | None) -> None:
+        old = {id(p): b.view(i).clone() for b in self.buckets for i, p in enumerate(b.params)}
+        self.grad_dtype = grad_dtype
+        self.buckets, self._where = [], {}
+        for fam in self.families:
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in reversed([p for p in fam.params if p.requires_grad]):  # backward order, roughly
+                by_dtype.setdefault(grad_dtype or p.dtype, []).append(p)
+            for dtype, params in by_dtype.items():
+                chunk: list[nn.Parameter] = []
+                size = 0
+                for p in params:
+                    chunk.append(p)
+                    size += p.numel() * dtype.itemsize
+                    if size >= self.bucket_bytes:
+                        self._add_bucket(fam, dtype, chunk)
+                        chunk, size = [], 0
+                if chunk:
+                    self._add_bucket(fam, dtype, chunk)
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if id(p) in old:  # re-bucketing: carry the accumulated gradient over
+                    b.view(i).copy_(old[id(p)])
+                    p.grad = b.view(i) if b.adopts(i) else None
+                else:
+                    b.adopt(i)
+
+    def set_grad_dtype(self, dtype: torch.dtype | None) -> None:
+        """Re-create the buckets with gradients in ``dtype`` (None: each parameter's own dtype).
+        Accumulated gradients are carried over. Not allowed inside a backward."""
+        if self._in_backward:
+            raise RuntimeError("MultiGroupDistributedDataParallel.set_grad_dtype called during a backward")
+        if dtype != self.grad_dtype:
+            self._build_buckets(dtype)
 
     def _add_bucket(self, fam: ParamFamily, dtype: torch.dtype, params: list[nn.Parameter]) -> None:
         offsets, n = [], 0
@@ -108,14 +151,29 @@ class MultiGroupDistributedDataParallel:
             self._where[id(p)] = (b, i)
         self.buckets.append(b)
 
+    # -- the optimizer's view ----------------------------------------------------------------------
+    def main_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s gradient as the optimizer reads it: its view into the (reduced) bucket."""
+        b, i = self._where[id(p)]
+        return b.view(i)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+            for i, p in enumerate(b.params):
+                if not b.adopts(i):
+                    p.grad = None
+
     # -- autograd hooks ----------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        if not b.adopts(i):  # move the fresh gradient into the high-precision bucket, even under no_sync
+            b.adopt(i)
         if not self._sync:
             return
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        b, i = self._where[id(p)]
         b.ready.add(i)
         self._launch_ready()
 

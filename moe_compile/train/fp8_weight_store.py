@@ -42,8 +42,11 @@ class FP8WeightStore:
         return self.param
 
     def refresh_from(self, main: torch.Tensor | None = None) -> None:
-        """Copy-back: rebuild both caches from ``main`` (or the current source)."""
-        if main is not None:
+        """Copy-back: rebuild both caches from ``main`` (or the current source). Once the anchor is
+        released the store keeps its own copy of the main weight (checkpoints read it)."""
+        if main is not None and self.anchor_released:
+            self.main.copy_(main.view(self.main.shape))
+        elif main is not None:
             self.main = main
         w = self.source().detach()
         self.caches["fwd"] = quantize_packed(w, self.mode)

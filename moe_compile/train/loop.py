@@ -1,38 +1,71 @@
-"""The compiled training loop behind ``moe-compile train`` (one call per rank)."""
+"""The compiled training loop behind ``moe-compile train`` (one call per rank).
+
+    cm  = moe_compile(model in fp32 | bf16, mesh, mxfp8="experts" for --precision mxfp8)
+    opt = OLMoDDPOptimizer(cm)                           FP32 main weights, ZeRO-1 per family
+    resume: load_checkpoint(latest in --ckpt)            under the current mesh (topology portability)
+    each step: m microbatches (first m−1 under no_sync, loss/m) → opt.step() → zero_grad
+               every --save-every steps: save_checkpoint (atomic)
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import OptionError
 from ..mesh import MeshSpec
+from .optimizer import OLMoDDPOptimizer, StepResult
+
+PRECISIONS = ("fp32", "bf16", "mxfp8")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
+    steps: int = 20  # train until this many steps are done (a resumed run continues to it)
     mesh: str = ""
     model: str = "tiny"  # tiny | olmoe | mixtral | qwen2_moe
     layers: int = 2
     d_model: int = 64
     experts: int = 8
     top_k: int = 2
-    batch_size: int = 4
+    batch_size: int = 4  # sequences per microbatch
     seq_len: int = 64
     lr: float = 3e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
     seed: int = 0
     capacity_factor: float | None = None
     metrics_jsonl: str | None = None
     data: str | None = None
     log_every: int = 1
+    precision: str = "fp32"  # fp32 | bf16 (model in BF16, FP32 main weights) | mxfp8 (routed experts)
+    grad_accum: int = 1  # m: microbatches per optimizer step
+    ckpt: str | None = None
+    save_every: int = 0  # 0: only at the end (when --ckpt is given)
+    resume: bool = False
+    keep_last: int | None = 3
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise OptionError(f"--precision {self.precision!r}: supported values are {PRECISIONS}")
+        if self.grad_accum < 1:
+            raise OptionError(f"--grad-accum {self.grad_accum}: need at least one microbatch per step")
+        if self.save_every < 0:
+            raise OptionError(f"--save-every {self.save_every}: must be ≥ 0")
+        if (self.resume or self.save_every) and not self.ckpt:
+            raise OptionError("--resume and --save-every need --ckpt DIR")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise OptionError(f"--keep-last {self.keep_last}: must be ≥ 1")
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -40,97 +73,156 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     if cfg.model == "tiny":
         from ..models import TinyMoEConfig, TinyMoELM
 
-        return TinyMoELM(TinyMoEConfig(vocab_size=256, d_model=cfg.d_model, n_layers=cfg.layers,
-                                       num_experts=cfg.experts, top_k=cfg.top_k, max_seq_len=max(256, cfg.seq_len)))
-    from ..models import tiny_hf_model
+        model = TinyMoELM(TinyMoEConfig(vocab_size=256, d_model=cfg.d_model, n_layers=cfg.layers,
+                                        num_experts=cfg.experts, top_k=cfg.top_k,
+                                        max_seq_len=max(256, cfg.seq_len)))
+    else:
+        from ..models import tiny_hf_model
 
-    return tiny_hf_model(cfg.model, seed=cfg.seed, layers=cfg.layers, d=cfg.d_model, experts=cfg.experts,
-                         top_k=cfg.top_k, vocab=256)
+        model = tiny_hf_model(cfg.model, seed=cfg.seed, layers=cfg.layers, d=cfg.d_model, experts=cfg.experts,
+                              top_k=cfg.top_k, vocab=256)
+    return model.to(torch.bfloat16) if cfg.precision in ("bf16", "mxfp8") else model
 
 
-def global_grad_norm(cm: Any) -> float:
-    """L2 norm of the full gradient, each logical parameter counted once: dense gradients are
-    replicated; expert shards are summed over the EP-MP group (not over their ep_dp replicas)."""
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
-    for name, p in cm.model.named_parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if cm.is_expert_param(name):
-            expert += sq
-        else:
-            dense += sq
-    if cm.groups is not None and cm.program.ep_size > 1:
-        dist.all_reduce(expert, group=cm.groups.ep_mp)
-    return math.sqrt(float(dense + expert))
+def compile_for(cfg: TrainConfig, model: nn.Module) -> Any:
+    from .. import moe_compile
+
+    mesh = MeshSpec.parse(cfg.mesh) if cfg.mesh else MeshSpec()
+    extra = {"mxfp8": "experts"} if cfg.precision == "mxfp8" else {}
+    return moe_compile(model, mesh, capacity_factor=cfg.capacity_factor, **extra)
+
+
+def train_step(cm: Any, opt: OLMoDDPOptimizer, microbatches: list[torch.Tensor]) -> tuple[torch.Tensor, StepResult]:
+    """One optimizer step over m microbatches: gradients accumulate locally (no_sync) and are
+    reduced once, on the last. Returns this rank's mean loss and the step result."""
+    m = len(microbatches)
+    total = torch.zeros((), dtype=torch.float32)
+    for j, batch in enumerate(microbatches):
+        with cm.no_sync() if j < m - 1 else contextlib.nullcontext():
+            loss = cm(input_ids=batch, labels=batch).loss
+            (loss / m).backward()
+        total += loss.detach().float()
+    result = opt.step()
+    opt.zero_grad()
+    return total / m, result
+
+
+def _metrics_sink(path: str | None, resume_step: int):
+    """Open the per-step JSONL; on resume keep the rows of steps up to the checkpoint."""
+    if not path:
+        return None
+    p = Path(path)
+    if resume_step and p.exists():
+        keep = [ln for ln in p.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+        p.write_text("".join(ln + "\n" for ln in keep))
+        return open(p, "a")
+    return open(p, "w")
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    from .. import moe_compile
-    from .data import ByteFileStream, SyntheticStream
+    from tqdm import tqdm
 
-    mesh = MeshSpec.parse(cfg.mesh) if cfg.mesh else MeshSpec()
-    cm = moe_compile(build_model(cfg), mesh, capacity_factor=cfg.capacity_factor)
+    from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from .data import ByteFileStream, SyntheticStream, step_microbatches
+
+    cm = compile_for(cfg, build_model(cfg))
     spec = cm.program.mesh
     dp_rank = spec.dense_coords(rank)[1]
     stream = (ByteFileStream(cfg.data, cfg.seq_len, cfg.batch_size, cfg.seed) if cfg.data
               else SyntheticStream(256, cfg.seq_len, cfg.batch_size, cfg.seed))
-    opt = torch.optim.AdamW(cm.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = OLMoDDPOptimizer(cm, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
     leader = rank == 0
-    sink = open(cfg.metrics_jsonl, "w") if (leader and cfg.metrics_jsonl) else None
-    tokens_per_step = cfg.batch_size * cfg.seq_len * spec.dp * spec.cp
-    losses, times = [], []
-    start = time.time()
-    try:
-        for step in range(cfg.steps):
-            t0 = time.time()
-            batch = stream.batch(step, dp_rank)
-            loss = cm(input_ids=batch, labels=batch).loss
-            loss.backward()
-            gnorm = global_grad_norm(cm)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            mean_loss = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(mean_loss)
-                mean_loss /= world
-            dt = time.time() - t0
-            losses.append(mean_loss.item())
-            times.append(dt)
+    run_meta = {"data": cfg.data or "synthetic", "seed": cfg.seed, "model": cfg.model}
+    start, position, resumed_from = 0, 0, None
+    if cfg.resume:
+        found = latest_checkpoint(cfg.ckpt)
+        if found is not None:
+            state = load_checkpoint(found, cm, opt)
+            start, position, resumed_from = state.step, state.data_position, str(found)
             if leader:
-                rec = {"step": step + 1, "loss": losses[-1], "grad_norm": gnorm, "tokens": tokens_per_step,
-                       "seconds": dt}
+                changed = {k: (state.extra.get(k), v) for k, v in run_meta.items() if state.extra.get(k) != v}
+                print(f"resumed from {found} at step {start} (data position {position}) on mesh {spec}"
+                      + (f"; note: changed since the checkpoint: {changed}" if changed else ""), flush=True)
+        elif leader:
+            print(f"--resume: no checkpoint in {cfg.ckpt} yet; starting at step 0", flush=True)
+    m = cfg.grad_accum
+    micro_per_step = spec.dp * spec.cp * m
+    tokens_per_step = cfg.batch_size * cfg.seq_len * micro_per_step
+    sink = _metrics_sink(cfg.metrics_jsonl, start) if leader else None
+    bar = tqdm(total=cfg.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+               disable=None if (leader and cfg.progress) else True)  # None: shown on a terminal only
+    losses, times, skipped, saves = [], [], 0, []
+    t_start = time.time()
+    saved_at = start if resumed_from else -1
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.time()
+            local, res = train_step(cm, opt, step_microbatches(stream, position, dp_rank, m))
+            position += micro_per_step
+            if world > 1:
+                dist.all_reduce(local)
+                local /= world
+            dt = time.time() - t0
+            losses.append(local.item())
+            times.append(dt)
+            skipped += res.skipped
+            rec = {"step": step + 1, "loss": losses[-1], "grad_norm": res.grad_norm, "tokens": tokens_per_step,
+                   "seconds": dt, "skipped": res.skipped}
+            if leader:
                 if sink:
                     sink.write(json.dumps(rec) + "\n")
                     sink.flush()
-                if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                    print(f"step {step + 1:>4}/{cfg.steps} | loss {losses[-1]:.4f} | grad_norm {gnorm:.3f} | "
-                          f"{tokens_per_step / dt:,.0f} tok/s", flush=True)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", grad_norm=f"{res.grad_norm:.3f}", refresh=False)
+                bar.update(1)
+                if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or res.skipped:
+                    note = " | skipped (non-finite gradients)" if res.skipped else ""
+                    bar.write(f"step {step + 1:>4}/{cfg.steps} | loss {losses[-1]:.4f} | grad_norm {res.grad_norm:.3f} | "
+                              f"{tokens_per_step / dt:,.0f} tok/s{note}", file=sys.stdout)
+                    sys.stdout.flush()
+            # After the step's metrics row: a checkpoint never claims a step whose row is missing.
+            if cfg.ckpt and cfg.save_every and (step + 1) % cfg.save_every == 0:
+                ts = time.time()
+                save_checkpoint(cfg.ckpt, cm, opt, step + 1, position, run_meta, cfg.keep_last)
+                saves.append(time.time() - ts)
+                saved_at = step + 1
+        if cfg.ckpt and saved_at != cfg.steps and cfg.steps > start:
+            save_checkpoint(cfg.ckpt, cm, opt, cfg.steps, position, run_meta, cfg.keep_last)
     finally:
+        bar.close()
         if sink:
             sink.close()
-    total = time.time() - start
+    total = time.time() - t_start
     steady = times[1:] or times
     return {
         "model": cfg.model,
         "mesh": str(spec),
         "ranks": world,
         "steps": cfg.steps,
+        "start_step": start,
+        "resumed_from": resumed_from,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
+        "skipped_steps": skipped,
         "seconds": total,
         "compile_and_first_step_seconds": times[0] if times else None,
         "step_seconds": sum(steady) / len(steady) if steady else None,
         "tokens_per_second": tokens_per_step * len(steady) / sum(steady) if steady else None,
+        "save_seconds": sum(saves) / len(saves) if saves else None,
         "config": asdict(cfg),
     }
 
 
 def print_summary(s: dict[str, Any], out=sys.stdout) -> None:
+    if s["first_loss"] is None:
+        print(f"done: {s['model']} on mesh {s['mesh']}: already at step {s['start_step']} of {s['steps']}, "
+              "nothing to train", file=out, flush=True)
+        return
+    resumed = f" (resumed at step {s['start_step']})" if s["resumed_from"] else ""
     print(
-        f"done: {s['model']} on mesh {s['mesh']} ({s['ranks']} ranks), {s['steps']} steps in {s['seconds']:.1f}s | "
-        f"loss {s['first_loss']:.4f} → {s['final_loss']:.4f} | step {s['step_seconds'] * 1000:.0f} ms | "
-        f"{s['tokens_per_second']:,.0f} tok/s (first step incl. compile: {s['compile_and_first_step_seconds']:.1f}s)",
+        f"done: {s['model']} on mesh {s['mesh']} ({s['ranks']} ranks), {s['steps']} steps{resumed} in "
+        f"{s['seconds']:.1f}s | loss {s['first_loss']:.4f} → {s['final_loss']:.4f} | "
+        f"step {s['step_seconds'] * 1000:.0f} ms | {s['tokens_per_second']:,.0f} tok/s "
+        f"(first step incl. compile: {s['compile_and_first_step_seconds']:.1f}s)"
+        + (f" | {s['skipped_steps']} step(s) skipped" if s["skipped_steps"] else ""),
         file=out, flush=True,
     )

@@ -1,0 +1,336 @@
+"""Training checkpoints through torch.distributed.checkpoint: atomic, verified, topology-portable.
+
+What one checkpoint holds (all as checkpoint-view DTensors — global views, no rank materialising a
+full expert tensor):
+
+    model.<name>               compute weights and buffers (dense replicated; experts Shard(0) on ep_mp)
+    optim.<name>.main          FP32 main weight   } flattened global tensors whose shards are the
+    optim.<name>.exp_avg       AdamW moments      } ZeRO-1 pieces (see train/optimizer.py)
+    optim.<name>.exp_avg_sq
+    train.step, train.optimizer_step, train.skipped_steps, train.data_position
+
+Layout on disk and the commit protocol (a crash at any point leaves the previous checkpoint loadable)::
+
+    ROOT/.step_00000010.partial/   every rank writes its pieces (dcp.save), files fsynced
+    ROOT/.step_00000010.partial/moe_manifest.json     rank 0, after a barrier: sizes of every file
+    rename → ROOT/step_00000010/   (atomic); then ROOT/latest ← "step_00000010" (write + atomic replace)
+    older checkpoints beyond keep_last are removed only after that
+
+Loading (under any mesh): the manifest and file sizes are checked, then DCP's metadata against the
+model (names and global shapes); everything is read into staged storage, and only when every rank has
+read all of it are the optimizer state and buffers adopted and the compute weights copied back from
+the FP32 main weights. A mismatched, truncated or incomplete checkpoint raises CheckpointError and
+overwrites nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .checkpoint_views import checkpoint_views
+
+if TYPE_CHECKING:
+    from ..compiled import CompiledMoE
+    from .optimizer import OLMoDDPOptimizer
+
+MANIFEST = "moe_manifest.json"
+LATEST = "latest"
+FORMAT = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+@dataclass
+class TrainState:
+    step: int  # training steps completed (applied or skipped)
+    data_position: int  # global microbatch index the next step starts at
+    optimizer_step: int = 0
+    skipped_steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # JSON-able run metadata (manifest only)
+    path: str = ""
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _dist() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """True when every rank's ``ok`` is True (collective)."""
+    if not _dist():
+        return ok
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _brief(e: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException (a BaseException) by its ranks' causes."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        causes = {f"{type(x).__name__}: {x}".rstrip(": ") for x, _ in e.failures.values()}
+        return f"ranks {sorted(e.failures)}: " + "; ".join(sorted(causes))
+    return f"{type(e).__name__}: {e}"
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that one process is one process; we pass no_dist on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _files(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+def _shape(v: Any) -> list[int]:
+    return list(v.shape)
+
+
+def _state(cm: CompiledMoE, opt: OLMoDDPOptimizer, fresh: bool,
+           opt_state: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    out = {f"model.{k}": v for k, v in checkpoint_views(cm, fresh=fresh).items()}
+    out.update({f"optim.{k}": v for k, v in opt.checkpoint_views(opt_state).items()})
+    return out
+
+
+def _train_tensors(step: int = 0, data_position: int = 0, opt_step: int = 0, skipped: int = 0) -> dict[str, Any]:
+    return {f"train.{k}": torch.tensor(v, dtype=torch.int64) for k, v in
+            (("step", step), ("data_position", data_position), ("optimizer_step", opt_step),
+             ("skipped_steps", skipped))}
+
+
+# -- finding checkpoints ---------------------------------------------------------------------------
+def _complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (the ``latest`` pointer, else the highest step)."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if _complete(target):
+            return target
+    done = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name)) and _complete(p)]
+    return max(done)[1] if done else None
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a complete checkpoint, after checking every file's presence and size."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (a save that did not finish)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e})") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, this version reads {FORMAT}")
+    for rel, size in manifest["files"].items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is damaged: file {rel} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is truncated or damaged: file {rel} has "
+                                  f"{f.stat().st_size} bytes, the manifest says {size}")
+    return manifest
+
+
+# -- save ------------------------------------------------------------------------------------------
+def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimizer, step: int,
+                    data_position: int, extra: dict[str, Any] | None = None, keep_last: int | None = None,
+                    _fault: Callable[[str], None] | None = None) -> Path:
+    """Save model, optimizer, step and data position to ``root/step_<step>`` atomically. Collective.
+
+    ``_fault(stage)`` is a test-only hook called at "written" (data written, nothing committed) and
+    "manifest" (manifest written, not yet renamed); raising there simulates a crash mid-save."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    name = f"step_{step:08d}"
+    final, tmp = root / name, root / f".{name}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crashed save
+            shutil.rmtree(tmp)
+    _barrier()
+    state = _state(cm, opt, fresh=False)
+    state.update(_train_tensors(step, data_position, opt.step_count, opt.skipped_steps))
+    try:
+        with _quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not _dist())
+    except _dcp_errors() as e:
+        raise CheckpointError(f"saving checkpoint {final} failed ({_brief(e)}); the previous checkpoint is "
+                              "untouched") from e
+    if _fault:
+        _fault("written")
+    _barrier()
+    err = ""
+    if _rank() == 0:
+        try:
+            manifest = {
+                "format": FORMAT, "step": step, "data_position": data_position, "optimizer_step": opt.step_count,
+                "skipped_steps": opt.skipped_steps, "mesh": str(cm.program.mesh),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "tensors": {k: _shape(v) for k, v in state.items()}, "extra": extra or {}, "files": _files(tmp),
+            }
+            _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            if _fault:
+                _fault("manifest")
+            _commit(root, name, tmp, final, keep_last)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = f"{type(e).__name__}: {e}"
+            if not _dist():
+                raise
+    if not _all_ok(not err):
+        raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {err or 'see rank 0'}; "
+                              "the previous checkpoint is untouched")
+    return final
+
+
+def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None) -> None:
+    old = None
+    if final.exists():  # the same step saved again: keep the old copy until the new one is in place
+        old = root / f".{name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST, name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep_last:
+        done = sorted((int(m.group(1)), p) for p in root.glob("step_*")
+                      if (m := _STEP_DIR.fullmatch(p.name)) and _complete(p))
+        for _, p in done[:-keep_last]:
+            if p != final:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# -- load ------------------------------------------------------------------------------------------
+def _check_against_model(path: Path, expected: dict[str, list[int]]) -> None:
+    """Names and global shapes in DCP's metadata must be the model's, before anything is read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except _dcp_errors() as e:  # any failure here means an unreadable checkpoint
+        raise CheckpointError(f"checkpoint {path}: cannot read its metadata ({_brief(e)})") from e
+    have = {k: list(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    missing = sorted(set(expected) - set(have))
+    unexpected = sorted(set(have) - set(expected))
+    wrong = [f"{k}: checkpoint {tuple(have[k])}, model {tuple(expected[k])}"
+             for k in sorted(set(have) & set(expected)) if have[k] != expected[k]]
+    if missing or unexpected or wrong:
+        parts = []
+        if wrong:
+            parts.append(f"{len(wrong)} global shape(s) differ, e.g. " + "; ".join(wrong[:4]))
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[:4]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} tensor(s) the model does not have, e.g. {unexpected[:4]}")
+        raise CheckpointError(f"checkpoint {path} does not match the compiled model: " + " | ".join(parts)
+                              + "; nothing was loaded")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself if it is a checkpoint, else the latest complete one under it."""
+    p = Path(path)
+    if _complete(p) or _STEP_DIR.fullmatch(p.name) or p.name.endswith(".partial"):
+        return p
+    found = latest_checkpoint(p)
+    if found is None:
+        raise CheckpointError(f"no complete checkpoint under {p}")
+    return found
+
+
+def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimizer) -> TrainState:
+    """Restore model buffers, optimizer state (FP32 main + moments) and the training position from a
+    checkpoint directory or the latest one under a root, under the current mesh. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve_checkpoint(path)
+    manifest = read_manifest(path)
+    staged_opt = opt.new_state()
+    full = _state(cm, opt, fresh=True, opt_state=staged_opt)
+    train = _train_tensors()
+    _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}})
+    params = {f"model.{n}" for n, _ in cm.model.named_parameters()}
+    # Parameters come back from the FP32 main weights (copy-back); read buffers, optimizer, position.
+    to_read = {k: v for k, v in full.items() if k not in params}
+    to_read.update(train)
+    err = ""
+    try:
+        with _quiet():
+            dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _dist())
+    except _dcp_errors() as e:  # re-raised on every rank as CheckpointError
+        err = _brief(e)
+    if not _all_ok(not err):
+        raise CheckpointError(f"checkpoint {path} could not be read ({err or 'failed on another rank'}); "
+                              "nothing was loaded")
+    own = cm.model.state_dict()
+    with torch.no_grad():
+        for k, v in to_read.items():
+            if k.startswith("model."):
+                own[k[len("model."):]].copy_(v.to_local() if hasattr(v, "to_local") else v)
+    opt.load_state(staged_opt, int(train["train.optimizer_step"]), int(train["train.skipped_steps"]))
+    return TrainState(step=int(train["train.step"]), data_position=int(train["train.data_position"]),
+                      optimizer_step=opt.step_count, skipped_steps=opt.skipped_steps,
+                      extra=manifest.get("extra", {}), path=str(path))

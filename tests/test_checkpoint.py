@@ -1,0 +1,211 @@
+"""Checkpoints: kill -9 and resume (bitwise), crash mid-save, mismatched and truncated checkpoints;
+BF16 compute weights with FP32 main weights, and skipped non-finite steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import CheckpointError
+from moe_compile.train.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_compile.train.loop import train_step
+from moe_compile.train.optimizer import OLMoDDPOptimizer
+
+from .common import build_model, make_batches
+from .harness import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def trained(seed: int = 0, steps: int = 2, **kw):
+    cm = moe_compile(build_model("tiny", seed=seed, **kw))
+    opt = OLMoDDPOptimizer(cm, lr=1e-2, weight_decay=0.01)
+    for s in range(steps):
+        train_step(cm, opt, make_batches(1, seed=s))
+    return cm, opt
+
+
+def snapshot(cm, opt) -> tuple:
+    bufs = {k: v.clone() for k, v in cm.model.state_dict().items()}
+    return cm.full_state_dict(), opt.full_state(), opt.step_count, bufs
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return (all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+            and all(torch.equal(a[1][k][j], b[1][k][j]) for k in a[1] for j in a[1][k])
+            and a[2] == b[2] and all(torch.equal(a[3][k], b[3][k]) for k in a[3]))
+
+
+def fail_at(where: str):
+    def hook(stage: str) -> None:
+        if stage == where:
+            raise RuntimeError(f"injected crash at {stage}")
+    return hook
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
+    cm, opt = trained()
+    save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    at2 = snapshot(cm, opt)
+    train_step(cm, opt, make_batches(1, seed=7))
+    with pytest.raises(RuntimeError, match="injected crash at written"):
+        save_checkpoint(tmp_path, cm, opt, step=3, data_position=3, _fault=fail_at("written"))
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    assert (tmp_path / ".step_00000003.partial").is_dir()  # the interrupted save's files, never referenced
+
+    assert not same(snapshot(cm, opt), at2)
+    state = load_checkpoint(tmp_path, cm, opt)  # back to step 2
+    assert (state.step, state.data_position, state.optimizer_step) == (2, 2, 2)
+    assert same(snapshot(cm, opt), at2)
+
+    save_checkpoint(tmp_path, cm, opt, step=3, data_position=3, keep_last=1)
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003"]
+
+
+def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
+    cm, opt = trained()
+    save_checkpoint(tmp_path / "a", cm, opt, step=2, data_position=2)
+    ck = latest_checkpoint(tmp_path / "a")
+
+    other, oopt = trained(seed=1, steps=1, num_experts=4)
+    before = snapshot(other, oopt)
+    with pytest.raises(CheckpointError, match=r"does not match the compiled model.*experts\.gate_up_proj"):
+        load_checkpoint(ck, other, oopt)
+    assert same(snapshot(other, oopt), before)
+
+    tgt, topt = cm, opt  # trained on past the checkpoint: a load would change it
+    train_step(tgt, topt, make_batches(1, seed=9))
+    before = snapshot(tgt, topt)
+    bad = tmp_path / "t" / ck.name
+    shutil.copytree(ck, bad)
+    data = max(bad.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size // 10)
+    with pytest.raises(CheckpointError, match=rf"truncated.*{data.name} has {size // 10} bytes.*says {size}"):
+        load_checkpoint(bad, tgt, topt)
+    assert same(snapshot(tgt, topt), before)
+
+    # The manifest agreeing with the damaged file: the read itself fails, still before anything is adopted.
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["files"][data.name] = size // 10
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="could not be read.*nothing was loaded"):
+        load_checkpoint(bad, tgt, topt)
+    assert same(snapshot(tgt, topt), before)
+
+    (bad / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(bad, tgt, topt)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_checkpoint(tmp_path / "t", tgt, topt)
+    assert same(snapshot(tgt, topt), before)
+    load_checkpoint(ck, tgt, topt)  # the intact original still loads, and does change the target
+    assert not same(snapshot(tgt, topt), before)
+
+
+def bf16_worker(rank, world):
+    """One rank with torch.distributed up, so the multi-group DDP and its buckets are in play."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("moe_compile.train").addHandler(Keep())
+    cm = moe_compile(build_model("tiny").to(torch.bfloat16), MeshSpec())
+    opt = OLMoDDPOptimizer(cm, lr=1e-5, weight_decay=0.0)
+    out = {"buckets": sorted({b["dtype"] for b in cm.ddp.bucket_summary()})}
+    main0 = {n: s["main"].clone() for n, s in opt.full_state().items()}
+    params0 = {n: p.detach().clone() for n, p in cm.model.named_parameters()}
+    a, b = make_batches(1, seed=1)[0], make_batches(1, seed=2)[0]
+    with cm.no_sync():
+        cm(a, labels=a).loss.backward()
+    cm(b, labels=b).loss.backward()
+    p = cm.model.lm_head.weight
+    out["grad_moved"] = p.grad is None and cm.ddp.main_grad(p).dtype == torch.float32
+    out["grad_nonzero"] = bool(cm.ddp.main_grad(p).abs().sum() > 0)
+    res = opt.step()
+    opt.zero_grad()
+    st = opt.full_state()
+    out["applied"] = not res.skipped and opt.step_count == 1
+    out["main_fp32"] = all(st[n]["main"].dtype == torch.float32 for n in st)
+    out["copy_back_exact"] = all(torch.equal(q, st[n]["main"].to(torch.bfloat16))
+                                 for n, q in cm.model.named_parameters())
+    moved = [n for n in st if not torch.equal(st[n]["main"], main0[n])]
+    out["main_moved"] = len(moved) == len(st)
+    # lr 1e-5 moves FP32 main weights by less than BF16 resolves: most compute weights are unchanged
+    n_same = sum(int((q == params0[n]).sum()) for n, q in cm.model.named_parameters())
+    out["bf16_unchanged_fraction"] = n_same / sum(q.numel() for q in cm.model.parameters())
+
+    before = (opt.full_state(), {n: q.clone() for n, q in cm.model.named_parameters()})
+    cm(a, labels=a).loss.backward()
+    cm.ddp.main_grad(cm.model.embed.weight)[3, 5] = float("inf")
+    res = opt.step()
+    opt.zero_grad()
+    after = (opt.full_state(), dict(cm.model.named_parameters()))
+    out["skipped"] = res.skipped and opt.step_count == 1 and opt.skipped_steps == 1
+    out["untouched"] = (all(torch.equal(before[0][n][k], after[0][n][k]) for n in before[0] for k in before[0][n])
+                        and all(torch.equal(before[1][n], after[1][n]) for n in before[1]))
+    out["logged"] = records
+    return out
+
+
+@pytest.mark.slow
+def test_bf16_compute_weights_fp32_main_and_nonfinite_skip():
+    r = run_ranks(bf16_worker, 1)[0]
+    assert r["buckets"] == ["torch.float32"], r
+    assert r["grad_moved"] and r["grad_nonzero"], r
+    assert r["applied"] and r["main_fp32"] and r["main_moved"], r
+    assert r["copy_back_exact"], r
+    assert r["bf16_unchanged_fraction"] > 0.5, r
+    assert r["skipped"] and r["untouched"], r
+    assert any("skipped: non-finite gradient norm inf" in m for m in r["logged"]), r["logged"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "moe_compile.cli", "train", "--ranks", "2", "--mesh", "ep_mp=2", "--seq-len", "32",
+            "--steps", "40", "--no-progress", *args]
+
+
+def losses(path: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_is_bitwise_identical(tmp_path):
+    ck, ref, run = tmp_path / "ck", tmp_path / "ref.jsonl", tmp_path / "run.jsonl"
+    logs = [open(tmp_path / f"{n}.log", "w") for n in ("ref", "killed")]
+    uninterrupted = subprocess.Popen(cli("--metrics-jsonl", str(ref)), cwd=ROOT, stdout=logs[0], stderr=logs[0])
+    victim = subprocess.Popen(cli("--ckpt", str(ck), "--save-every", "3", "--metrics-jsonl", str(run)), cwd=ROOT,
+                              stdout=logs[1], stderr=logs[1], start_new_session=True)
+    deadline = time.time() + 400
+    while latest_checkpoint(ck) is None:
+        assert victim.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.005)
+    os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its ranks, mid-run
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    assert uninterrupted.wait(timeout=400) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    steps_before_kill = len(losses(run))
+    assert steps_before_kill < 40
+
+    proc = subprocess.run(cli("--ckpt", str(ck), "--save-every", "3", "--resume", "--metrics-jsonl", str(run)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "(resumed at step" in proc.stdout, proc.stdout
+    assert losses(run) == losses(ref)  # every step's loss and grad norm, bit for bit
+    assert [r[0] for r in losses(run)] == list(range(1, 41))
