@@ -8,6 +8,7 @@ ranks' errors are usually consequences: a peer that vanished mid-collective).
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import shutil
@@ -52,7 +53,11 @@ def _worker(rank: int, world: int, store_dir: str, fn: Callable, args: tuple, q:
                                 timeout=timedelta(seconds=init_timeout))
         result = fn(rank, world, *args)
         dist.barrier()
-        q.put((rank, "ok", result, time.time()))
+        # Serialised by value: tensors sent through a multiprocessing queue refer to this process's
+        # shared memory, which is gone once the rank exits.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        q.put((rank, "ok", buf.getvalue(), time.time()))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         q.put((rank, "err", traceback.format_exc(), time.time()))
         q.close()
@@ -108,7 +113,7 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
                         break
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 failures.append((when, rank, payload))
                 # Collect the other ranks' reports for a short while, then stop everyone.
@@ -119,7 +124,7 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
                     except queue.Empty:
                         continue
                     if s2 == "ok":
-                        results[r2] = p2
+                        results[r2] = torch.load(io.BytesIO(p2), weights_only=False)
                     else:
                         failures.append((w2, r2, p2))
                 break
