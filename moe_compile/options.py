@@ -19,6 +19,7 @@ class CompileOptions:
     codegen: str = "auto"  # which kernels run the partitioned graph
     mxfp8: str | None = None  # which linears run in MXFP8
     debug_dir: str | None = None  # dump graphs before/after each pass here
+    debug_pictures: bool = False  # with debug_dir: also render each dump as SVG (new nodes highlighted)
     fullgraph: bool = True  # the whole model must capture as one graph (lease planning spans layers)
     bucket_mb: float = 25.0  # gradient bucket size
 
@@ -32,6 +33,8 @@ class CompileOptions:
             raise OptionError(f"codegen={self.codegen!r}: supported values are {CODEGENS}")
         if self.mxfp8 not in MXFP8_MODES:
             raise OptionError(f"mxfp8={self.mxfp8!r}: supported values are {MXFP8_MODES}")
+        if not isinstance(self.debug_pictures, bool):
+            raise OptionError(f"debug_pictures={self.debug_pictures!r}: must be True or False")
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 
