@@ -23,7 +23,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[MoEPass], debu
     for i, p in enumerate(passes):
         require_stage(gm, p)
         before = op_counts(gm)
-        names = {n.name for n in gm.graph.nodes}
+        names = _node_names(gm)
         if debug_dir is not None:
             _dump(debug_dir, f"{tag}{i:02d}_{p.name}_before", gm, pictures=pictures)
         gm = p(gm, ctx)
@@ -33,10 +33,17 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[MoEPass], debu
         diff = {k: after[k] - before[k] for k in set(before) | set(after) if after[k] != before[k]}
         ctx.records.append(PassRecord(p.name, diff))
         if debug_dir is not None:
-            after_names = {n.name for n in gm.graph.nodes}
+            after_names = _node_names(gm)
             nodes = (sorted(after_names - names), sorted(names - after_names))
             _dump(debug_dir, f"{tag}{i:02d}_{p.name}_after", gm, diff, nodes, pictures)
     return gm
+
+
+def _node_names(gm: fx.GraphModule) -> set[str]:
+    """'name:op' of every node, for the node diff of a debug dump."""
+    from ..ops import op_name
+
+    return {f"{n.name}:{op_name(n.target) or getattr(n.target, '__name__', n.op)}" for n in gm.graph.nodes}
 
 
 def _dump(debug_dir: Path, name: str, gm: fx.GraphModule, diff: dict | None = None,
@@ -51,7 +58,7 @@ def _dump(debug_dir: Path, name: str, gm: fx.GraphModule, diff: dict | None = No
     if pictures:  # optional: graphviz layout costs about a second per few hundred nodes
         from ..viz import build_view, write_view
 
-        view = build_view(gm, title=name, highlight=nodes[0] if nodes else ())
+        view = build_view(gm, title=name, highlight=[s.split(":")[0] for s in nodes[0]] if nodes else ())
         write_view(view, str(debug_dir / f"{name}.svg"))
 
 
