@@ -150,6 +150,7 @@ def test_html_report_parses(tmp_path, with_plan):
     vals = {k: 2 for k in SYMBOLS}
     vals.update(G=1, H=3, T=64, S=64)
     led = evaluate(vals, lease_plan=plan() if with_plan else None)
+    assert led["M_sym"] == (plan().symmetric_bytes if with_plan else 3 * led["C"] * 2 * 2)  # H·C·d·b_a otherwise
     pic = tmp_path / "g.svg"
     write_view(build_view(hand_graph(), title="hand"), str(pic))
     out = write_report(tmp_path / "report.html", title="t", ledger=led, pictures=[Picture("hand graph", pic)],
@@ -185,3 +186,12 @@ def test_debug_dumps_render_before_and_after_pictures(tmp_path):
     assert {"moe-dispatch", "moe-combine", "moe-expert_ffn", "moe-new"} <= classes
     assert "moe-routed_experts" not in classes
     cm.close()
+
+
+def test_coarsest_view_draws_one_node_per_layer(tmp_path):
+    view = build_view(hand_graph(), collapse="layers")
+    assert view.level == "layers" and view.kinds["moe_layer"] == 1
+    texts = svg_texts(write_view(view, str(tmp_path / "l.svg")))
+    assert any("dispatch ×2" in t for t in texts)  # the dispatch and its mirror, counted in the layer
+    with pytest.raises(ValueError, match="collapse='bogus'"):
+        build_view(hand_graph(), collapse="bogus")

@@ -7,9 +7,10 @@ leases, casts) stays a node, and the layer's other ops fold into one "dense ops 
 (forward / backward). Gradient-reduction buckets attach to the nodes producing their gradients.
 
     group(node)  = layer prefix of its module path ("model.layers.3"), from nn_module_stack, the MoE
-                   metadata's block, or (neither) the group of its first input
+                   metadata's block, or (neither) the group of its most recently computed input
     rep(node)    = node itself (full view, or an MoE / lease / cast / collective node)
-                 | "<group>/dense/<direction>" | "<group>/inputs"        (collapsed view)
+                 | "<group>/dense/<direction>/<a|b|c>" | "<group>/inputs"  (collapsed view; a, b, c:
+                   before, between, after the layer's MoE nodes in graph order)
     edges        = FX edges between different reps, deduplicated, labelled by their first value
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import html
 import operator
 import re
+import subprocess
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -89,14 +91,17 @@ class GraphView:
     collapsed: bool
     kinds: Counter  # drawn kinds (node classes) → count
     nodes: int
+    level: str = "full"  # full | moe (MoE nodes per layer) | layers (one node per layer)
 
 
 def groups_of(gm: fx.GraphModule) -> dict[fx.Node, str]:
     out: dict[fx.Node, str] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
         g = layer_of(module_path(n))
-        if g is None:
-            g = next((out[a] for a in n.all_input_nodes if a in out and out[a] != "model"), None)
+        if g is None:  # no module path (e.g. a residual add of gradients): the layer of its newest input
+            known = [a for a in n.all_input_nodes if out.get(a, "model") != "model" and a.op != "placeholder"]
+            g = out[max(known, key=order.__getitem__)] if known else None
         out[n] = g or "model"
     # placeholders take the group of their first user (they come first in the graph)
     for n in gm.graph.nodes:
@@ -138,12 +143,20 @@ def _id(s: str) -> str:
 def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = None, max_nodes: int = 350,
                reductions: Iterable[Reduction] = (), highlight: Iterable[str] = (), only_group: str | None = None,
                pp: int = 1, direction: str | None = None) -> GraphView:
-    """A pydot graph of ``gm`` (see the module docstring); ``collapse=None`` collapses large graphs.
+    """A pydot graph of ``gm`` (see the module docstring). ``collapse``: False (every node), True (per
+    layer, MoE nodes kept), "layers" (one node per layer) or None (the first that fits ``max_nodes``).
     ``direction``: "fwd" / "bwd" for a forward / backward graph; None reads each node's partitioner tag
     (joint graphs). ``only_group`` draws one layer. ``highlight`` marks nodes by name (new in a pass)."""
     nodes = [n for n in gm.graph.nodes if not (n.op == "call_function" and n.target is operator.getitem)]
-    collapsed = len(nodes) > max_nodes if collapse is None else collapse
     group = groups_of(gm)
+    if collapse is None:  # full; else MoE nodes per layer; else (very large) one node per layer
+        per_layer = 12 * len({group[n] for n in nodes})
+        level = "full" if len(nodes) <= max_nodes else ("moe" if per_layer <= max_nodes else "layers")
+    else:
+        level = {False: "full", True: "moe"}.get(collapse, collapse)  # type: ignore[arg-type]
+    if level not in ("full", "moe", "layers"):
+        raise ValueError(f"collapse={collapse!r}: expected False, True, 'layers' or None (automatic)")
+    collapsed = level != "full"
     highlight = set(highlight)
     blocks = _blocks(gm)
 
@@ -152,16 +165,31 @@ def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = N
             n = n.args[0]
         return n
 
+    # A layer's dense ops fold into three nodes, before / between / after its MoE nodes in graph
+    # order, so the collapsed graph keeps the layer's data flow acyclic (dense → MoE → dense).
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    span: dict[str, tuple[int, int]] = {}
+    for n in nodes:
+        if kind_of(n) in KEEP and kind_of(n) != "output":
+            lo, hi = span.get(group[n], (order[n], order[n]))
+            span[group[n]] = (min(lo, order[n]), max(hi, order[n]))
+
+    def part(n: fx.Node) -> str:
+        lo, hi = span.get(group[n], (len(order), len(order)))
+        return "a" if order[n] < lo else ("b" if order[n] < hi else "c")
+
     rep: dict[fx.Node, str] = {}
     members: dict[str, list[fx.Node]] = defaultdict(list)
     for n in nodes:
         k = kind_of(n)
-        if not collapsed or k in KEEP:
+        if level == "layers" and k != "output":
+            r = group[n]
+        elif not collapsed or k in KEEP:
             r = n.name
         elif n.op == "placeholder":
             r = f"{group[n]}/inputs"
         else:
-            r = f"{group[n]}/dense/{direction or ('bwd' if is_backward(n) else 'fwd')}"
+            r = f"{group[n]}/dense/{direction or ('bwd' if is_backward(n) else 'fwd')}/{part(n)}"
         rep[n] = r
         members[r].append(n)
     if only_group is not None:
@@ -177,7 +205,7 @@ def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = N
 
     def cluster_for(n: fx.Node) -> pydot.Cluster | pydot.Dot:
         g = group[n]
-        if g == "model":
+        if g == "model" or level == "layers":
             return stage
         mp = module_path(n) or ""
         block = next((b for b in blocks if mp == b or mp.startswith(b + ".")), None)
@@ -201,12 +229,17 @@ def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = N
     for r, ms in members.items():
         n0 = ms[0]
         k = kind_of(n0)
-        if collapsed and r.endswith("/inputs"):
+        if level == "layers" and k != "output":
+            roles = Counter(kind_of(m) for m in ms if kind_of(m) in KEEP)
+            moe = " · ".join(f"{kd} ×{c}" for kd, c in sorted(roles.items()))
+            label = f"{r}\n{len(ms)} ops" + (f"\n{moe}" if moe else "")
+            k = "moe_layer" if roles else "dense"
+        elif collapsed and r.endswith("/inputs"):
             label, k = f"inputs ×{len(ms)}", "input"
         elif collapsed and "/dense/" in r:
             ops = Counter(getattr(m.target, "__name__", str(m.target)).split(".")[0] for m in ms)
             top = ", ".join(f"{o} ×{c}" for o, c in ops.most_common(3))
-            label, k = f"{len(ms)} dense ops ({r.rsplit('/', 1)[1]})\n{top}", "dense"
+            label, k = f"{len(ms)} dense ops ({r.split('/')[-2]})\n{top}", "dense"
         else:
             target = n0.target if n0.op == "call_function" else n0.op
             tname = getattr(target, "__name__", None) or str(target)
@@ -228,8 +261,16 @@ def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = N
             if s not in rep or rep[s] not in members or rep[s] == rep[n]:
                 continue
             edges.setdefault((rep[s], rep[n]), value_label(a.meta.get("val")))
+    def grp(r: str) -> str:
+        return group[members[r][0]]
+
+    fan_out = Counter(u for u, g in {(u, grp(v)) for u, v in edges if grp(u) != grp(v)})
+    fan_in = Counter(v for g, v in {(grp(u), v) for u, v in edges if grp(u) != grp(v)})
     for (u, v), lab in edges.items():
-        dot.add_edge(pydot.Edge(_id(u), _id(v), label=_lab(lab)))
+        # values shared by many layers (positions, masks, their gradient sums) must not pull the layers
+        # side by side: such edges do not constrain the layout
+        extra = {"constraint": "false", "style": "dotted"} if fan_out[u] > 3 or fan_in[v] > 3 else {}
+        dot.add_edge(pydot.Edge(_id(u), _id(v), label=_lab(lab), **extra))
 
     reds = list(reductions)
     if reds:
@@ -240,9 +281,9 @@ def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = N
             rc.add_node(pydot.Node(_id(red.name), label=_lab(red.label), **node_attrs("reduction")))
             kinds["reduction"] += 1
             for src in {rep[g] for g in red.grads if g in rep and rep[g] in members}:
-                dot.add_edge(pydot.Edge(_id(src), _id(red.name), color="#ef4444", style="dashed"))
+                dot.add_edge(pydot.Edge(_id(src), _id(red.name), color="#ef4444", style="dashed", constraint="false"))
     _legend(dot, kinds)
-    return GraphView(dot, collapsed, kinds, len(members))
+    return GraphView(dot, collapsed, kinds, len(members), level)
 
 
 def _legend(dot: pydot.Dot, kinds: Counter) -> None:
@@ -254,7 +295,7 @@ def _legend(dot: pydot.Dot, kinds: Counter) -> None:
     dot.add_subgraph(lg)
 
 
-def write_view(view: GraphView, path: str, fmt: str | None = None, dpi: int = 60) -> str:
+def write_view(view: GraphView, path: str, fmt: str | None = None, dpi: int = 60, timeout: float = 300.0) -> str:
     """Write ``view`` as svg / png / dot (by suffix, or ``fmt``); returns the path. PNGs render at ``dpi``
     (large bitmaps are slow to rasterise; SVG is the format to zoom)."""
     fmt = fmt or str(path).rsplit(".", 1)[-1]
@@ -263,12 +304,19 @@ def write_view(view: GraphView, path: str, fmt: str | None = None, dpi: int = 60
     if fmt == "dot":
         with open(path, "w") as f:
             f.write(view.dot.to_string())
-    elif fmt == "png":
-        view.dot.set("dpi", str(dpi))
-        try:
-            view.dot.write(path, format=fmt)
-        finally:
-            view.dot.obj_dict["attributes"].pop("dpi", None)
     else:
-        view.dot.write(path, format=fmt)
+        if fmt == "png":
+            view.dot.set("dpi", str(dpi))
+        src = view.dot.to_string()
+        view.dot.obj_dict["attributes"].pop("dpi", None)
+        try:
+            res = subprocess.run(["dot", f"-T{fmt}", "-o", str(path)], input=src.encode(), capture_output=True,
+                                 timeout=timeout)
+        except FileNotFoundError:
+            raise RuntimeError("graphviz `dot` is not installed (apt-get install graphviz)") from None
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{path}: graphviz layout of {view.nodes} nodes took over {timeout:.0f}s; draw a "
+                               "coarser view (collapse='layers') or one layer (only_group=...)") from None
+        if res.returncode:
+            raise RuntimeError(f"{path}: dot failed: {res.stderr.decode()[-2000:]}")
     return str(path)

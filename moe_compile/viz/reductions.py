@@ -41,8 +41,9 @@ def grad_producers(cm, gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {name: g for name, g in zip(names, grads) if name is not None and isinstance(g, fx.Node)}
 
 
-def bucket_reductions(cm, gm: fx.GraphModule) -> list[Reduction]:
-    """One Reduction per gradient bucket of ``cm.ddp`` (empty when the program has no reducer)."""
+def bucket_reductions(cm, gm: fx.GraphModule, max_buckets: int = 6) -> list[Reduction]:
+    """One Reduction per gradient bucket of ``cm.ddp`` (empty when the program has no reducer); with
+    more than ``max_buckets`` buckets, one per family."""
     if cm.ddp is None:
         return []
     mesh = cm.program.mesh
@@ -60,4 +61,17 @@ def bucket_reductions(cm, gm: fx.GraphModule) -> list[Reduction]:
                  f"{format_value(b.nbytes, 'bytes')} {str(b.flat.dtype).replace('torch.', '')}")
         grads = [producers[by_id[id(p)]] for p in b.params if by_id.get(id(p)) in producers]
         out.append(Reduction(f"reduction/{i}", label, grads))
-    return out
+    if len(out) <= max_buckets:
+        return out
+    merged: list[Reduction] = []
+    for fam in ("dense", "expert"):
+        mine = [(b, r) for b, r in zip(cm.ddp.buckets, out) if b.family == fam]
+        if not mine:
+            continue
+        b0 = mine[0][0]
+        over = f"dp×cp = {mesh.dp * mesh.cp} ranks" if fam == "dense" else f"ep_dp = {mesh.ep_dp} ranks"
+        total = sum(b.nbytes for b, _ in mine)
+        label = (f"{fam} buckets ×{len(mine)}\nall-reduce over {over}" + (" (no peers)" if b0.group is None else "")
+                 + f"\n{sum(len(b.params) for b, _ in mine)} params, {format_value(total, 'bytes')}")
+        merged.append(Reduction(f"reduction/{fam}", label, [g for _, r in mine for g in r.grads]))
+    return merged

@@ -8,6 +8,7 @@ its own colour and shape, and an SVG class ``moe-<kind>`` so a rendered picture 
     cast (MXFP8)      yellow trapezium      collective            sky octagon
     reduction         red double octagon (gradient buckets)
     dense op          grey box              parameter / input     pale note      output   double circle
+    MoE layer         peach 3-D box (a whole layer, in the coarsest collapsed view)
 
 Backward mirrors keep their kind's colour, with a dashed outline and the extra class ``moe-mirror``.
 """
@@ -46,6 +47,7 @@ LOOKS: dict[str, Look] = {
     "collective": Look("#7dd3fc", "octagon", "collective"),
     "reduction": Look("#f87171", "doubleoctagon", "gradient reduction (bucket all-reduce)"),
     "dense": Look("#e5e7eb", "box", "dense op"),
+    "moe_layer": Look("#fed7aa", "box3d", "MoE layer (collapsed)"),
     "param": Look("#f5f5f4", "note", "parameter"),
     "input": Look("#f5f5f4", "note", "input / saved value"),
     "output": Look("#d1d5db", "doublecircle", "graph output"),
