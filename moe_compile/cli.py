@@ -89,13 +89,60 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_parser(sub) -> None:
+    p = sub.add_parser("explain", help="plan a run: cost ledger, graphs and report, without ranks",
+                       description="Compile a model for a mesh in one process (fake process group, meta tensors: "
+                                   "full-size published configs need no weights) and write ledger.json, the graphs "
+                                   "and report.html to --out.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="published config: olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, deepseek-v3")
+    src.add_argument("--hf-config", help="a transformers config.json (with model_type)")
+    src.add_argument("--model", choices=["tiny"], help="the tiny reference model")
+    p.add_argument("--mesh", required=True, help='mesh degrees, e.g. "dp=64,ep_mp=8" (dp or ep_dp fixes the world)')
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose program is shown (default 0)")
+    p.add_argument("--world", type=int, default=None, help="world size (default: from the mesh)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(4096, model limit))")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (m)")
+    p.add_argument("--capacity-factor", type=float, default=None, help="rank-level capacity (default: dropless)")
+    p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (bfloat16, float32, float16)")
+    p.add_argument("--no-png", action="store_true", help="write SVG graphs only")
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .errors import MoECompileError
+    from .explain import explain
+
+    try:
+        res = explain(mesh=args.mesh, out_dir=args.out, hf=args.hf, hf_config=args.hf_config, model=args.model,
+                      rank=args.rank, world=args.world, seq_len=args.seq_len, batch_size=args.batch_size,
+                      micro_batches=args.micro_batches, capacity_factor=args.capacity_factor, dtype=args.dtype,
+                      png=not args.no_png)
+    except MoECompileError as e:
+        print(f"moe-compile explain: {e}", file=sys.stderr)
+        return 2
+    led = res.ledger
+    print(f"{res.name} on mesh {res.mesh}: {led.shorthand} (P_active@P_total), P_local {led['P_local']:,} per rank")
+    for group, name, value, _form, doc in led.rows():
+        print(f"  {group:<10} {name:<20} {value:>16}  {doc[:70]}")
+    for n in led.notes:
+        print(f"  note: {n}")
+    for key, path in res.files.items():
+        print(f"  wrote {key}: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-compile", description="Compile MoE models for expert-parallel training")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _explain_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return cmd_train(args)
+    if args.command == "explain":
+        return cmd_explain(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

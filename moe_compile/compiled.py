@@ -157,5 +157,12 @@ class CompiledMoE(nn.Module):
         """Graphs of the last capture: captured (dense), partitioned, joint, forward, backward."""
         return dict(self.program.graphs)
 
+    def ledger(self, **kw: Any):
+        """The cost ledger evaluated for this program (:mod:`moe_compile.ledger`; options: micro_batches,
+        optimizer_state_bytes, main_weights, tokens, seq_len). Graph figures need one training step."""
+        from .ledger import ledger_for
+
+        return ledger_for(self, **kw)
+
     def close(self) -> None:
         release_context(self.program.ctx_id)

@@ -24,6 +24,7 @@ class CompileOptions:
     mxfp8: str | None = None  # which linears run in MXFP8: experts | experts+shared | all
     mxfp8_scale_mode: str = "rceil"  # E8M0 scale rule: rceil (no saturation) | floor (OCP)
     debug_dir: str | None = None  # dump graphs before/after each pass here
+    debug_pictures: bool = False  # with debug_dir: also render each dump as SVG (new nodes highlighted)
     fullgraph: bool = True  # the whole model must capture as one graph (lease planning spans layers)
     bucket_mb: float = 25.0  # gradient bucket size
 
@@ -39,6 +40,8 @@ class CompileOptions:
             raise OptionError(f"mxfp8={self.mxfp8!r}: supported values are {MXFP8_MODES}")
         if self.mxfp8_scale_mode not in MXFP8_SCALE_MODES:
             raise OptionError(f"mxfp8_scale_mode={self.mxfp8_scale_mode!r}: supported values are {MXFP8_SCALE_MODES}")
+        if not isinstance(self.debug_pictures, bool):
+            raise OptionError(f"debug_pictures={self.debug_pictures!r}: must be True or False")
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 

@@ -1,0 +1,202 @@
+"""Plan a run before it starts: compile a model for a mesh in one process and write its cost ledger,
+graphs and an HTML report (``moe-compile explain``).
+
+    model   = published config (--hf), a config.json (--hf-config) or the tiny reference (--model),
+              built on the meta device: no weights are allocated, full-size configs fit a laptop
+    world   = a fake process group of the mesh's size, as rank r: collectives are no-ops
+    compile = moe_compile(model, mesh) exactly as on a real rank; one training step on meta inputs
+              captures the graphs (moe:: ops run their fake kernels on meta tensors)
+    write   = ledger.json, graphs (SVG/PNG), lease timeline (if the program has a lease plan), report.html
+
+Routing semantics that the front end settles with a probe batch on real weights are read from
+attributes only on meta weights (the report says so); they do not change any ledger figure.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import MeshError, OptionError
+from .mesh import MeshSpec
+
+
+@dataclass(frozen=True)
+class Published:
+    family: str
+    published: str  # the size as its authors state it, XB@YB
+    build: Callable[[], Any]  # → transformers config
+    note: str = ""
+
+
+def _olmoe():
+    import transformers as tf
+
+    return tf.OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                          num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                          norm_topk_prob=False, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def _mixtral():
+    import transformers as tf
+
+    return tf.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                            max_position_embeddings=32768, tie_word_embeddings=False, router_jitter_noise=0.0)
+
+
+def _qwen():
+    import transformers as tf
+
+    return tf.Qwen2MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                             num_attention_heads=16, num_key_value_heads=16, moe_intermediate_size=1408,
+                             shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+                             norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                             max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def _deepseek_v3():
+    import transformers as tf
+
+    return tf.DeepseekV3Config(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                               num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                               n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, routed_scaling_factor=2.5,
+                               kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+                               qk_nope_head_dim=128, first_k_dense_replace=3, norm_topk_prob=True,
+                               n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+PUBLISHED: dict[str, Published] = {
+    "olmoe-1b-7b": Published("olmoe", "1.3B@6.9B", _olmoe),
+    "mixtral-8x7b": Published("mixtral", "12.9B@46.7B", _mixtral),
+    "qwen1.5-moe-a2.7b": Published("qwen2_moe", "2.7B@14.3B", _qwen),
+    "deepseek-v3": Published("deepseek_v3", "37B@671B", _deepseek_v3,
+                             "DeepSeek-V3-style: the published sizes with ungrouped routing (n_group=1); "
+                             "group-limited routing is not supported by the front end, and it changes no size"),
+}
+ALIASES = {"olmoe": "olmoe-1b-7b", "mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
+           "qwen": "qwen1.5-moe-a2.7b", "deepseek_v3": "deepseek-v3", "deepseek": "deepseek-v3"}
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def published_config(name: str):
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in PUBLISHED:
+        raise OptionError(f"--hf {name!r}: no published configuration by that name; known: "
+                          f"{sorted(PUBLISHED)} (aliases {sorted(ALIASES)})")
+    cfg = PUBLISHED[key].build()
+    cfg.use_cache = False
+    return cfg
+
+
+def config_from_json(path: str | Path):
+    import transformers as tf
+
+    data = json.loads(Path(path).read_text())
+    if "model_type" not in data:
+        raise OptionError(f"{path}: a transformers config.json needs a 'model_type' (e.g. 'olmoe', 'mixtral')")
+    kind = data.pop("model_type")
+    cfg = tf.AutoConfig.for_model(kind, **data)
+    cfg.use_cache = False
+    return cfg
+
+
+def meta_model(*, hf: str | None = None, hf_config: str | None = None, model: str | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str]:
+    """The model on the meta device (no weights allocated) and a display name."""
+    if sum(x is not None for x in (hf, hf_config, model)) != 1:
+        raise OptionError("give exactly one of --hf NAME, --hf-config FILE.json, --model tiny")
+    if model is not None:
+        if model != "tiny":
+            raise OptionError(f"--model {model!r}: the only built-in model is 'tiny'")
+        from .models import TinyMoEConfig, TinyMoELM
+
+        with torch.device("meta"):
+            return TinyMoELM(TinyMoEConfig()).to(dtype), "tiny"
+    import transformers as tf
+
+    cfg = published_config(hf) if hf is not None else config_from_json(hf_config)
+    name = ALIASES.get(hf.lower(), hf.lower()) if hf is not None else Path(hf_config).name
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype), name
+
+
+def world_of(mesh: MeshSpec, world: int | None) -> int:
+    if world is not None:
+        return world
+    if mesh.dp is not None:
+        return mesh.pp * mesh.dp * mesh.cp
+    if mesh.ep_dp is not None:
+        return mesh.pp * mesh.ep_dp * mesh.ep_mp
+    raise MeshError(f"mesh {mesh}: give dp= (or ep_dp=) in the mesh, or the world size, so the ranks are known")
+
+
+@dataclass
+class ExplainResult:
+    name: str
+    mesh: MeshSpec
+    ledger: Any  # moe_compile.ledger.Ledger
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None, hf_config: str | None = None,
+            model: str | None = None, rank: int = 0, world: int | None = None, seq_len: int | None = None,
+            batch_size: int = 1, micro_batches: int = 1, capacity_factor: float | None = None,
+            dtype: str = "bfloat16", png: bool = True, max_nodes: int = 350) -> ExplainResult:
+    """Compile for ``mesh`` as ``rank`` of a fake world and write the ledger, graphs and report."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from . import moe_compile
+
+    if dist.is_initialized():
+        raise OptionError("explain starts its own (fake) process group: call it where torch.distributed is not "
+                          "initialised")
+    if dtype not in DTYPES:
+        raise OptionError(f"dtype {dtype!r}: supported {sorted(DTYPES)}")
+    spec = MeshSpec.parse(mesh) if isinstance(mesh, str) else mesh
+    n = world_of(spec, world)
+    spec = spec.resolve(n)
+    if not 0 <= rank < n:
+        raise MeshError(f"rank {rank} is not a rank of mesh {spec} ({n} ranks)")
+    net, name = meta_model(hf=hf, hf_config=hf_config, model=model, dtype=DTYPES[dtype])
+    if seq_len is None:
+        limit = getattr(getattr(net, "config", None), "max_position_embeddings", None) or \
+            getattr(getattr(net, "config", None), "max_seq_len", 4096)
+        seq_len = min(4096, int(limit))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    try:
+        cm = moe_compile(net, spec, capacity_factor=capacity_factor)
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+        with warnings.catch_warnings():
+            # meta tensors: eager autograd kernels of some losses are missing; nothing numeric is used
+            warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
+            res = cm(input_ids=ids, labels=ids)
+            res.loss.backward()
+        led = cm.ledger(micro_batches=micro_batches)
+        result = ExplainResult(name, cm.program.mesh, led)
+        from .explain_report import write_outputs
+
+        result.files = write_outputs(cm, led, out, name=name, rank=rank, seq_len=seq_len, batch_size=batch_size,
+                                     png=png, max_nodes=max_nodes, published=_published_note(hf))
+        cm.close()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _published_note(hf: str | None) -> str:
+    if hf is None:
+        return ""
+    p = PUBLISHED[ALIASES.get(hf.lower(), hf.lower())]
+    return f"published size {p.published}" + (f"; {p.note}" if p.note else "")

@@ -1,0 +1,78 @@
+"""What ``moe-compile explain`` writes: ledger.json, the graphs (SVG, PNG), the lease timeline and
+report.html. Shared by the CLI and by anyone holding a compiled model (``write_outputs(cm, …)``)."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .ledger import Ledger
+from .viz import Picture, bucket_reductions, build_view, timeline_svg, write_report, write_view
+from .viz.graph import groups_of
+
+
+def _first_moe_layer(gm) -> str | None:
+    from .ir import MOE_META
+
+    groups = groups_of(gm)
+    return next((groups[n] for n in gm.graph.nodes if MOE_META in n.meta), None)
+
+
+def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, seq_len: int | None = None,
+                  batch_size: int | None = None, png: bool = True, max_nodes: int = 350,
+                  published: str = "") -> dict[str, Path]:
+    prog = cm.program
+    graphs = prog.graphs
+    files: dict[str, Path] = {}
+    data = ledger.to_dict()
+    data["run"] = {"model": name, "mesh": str(prog.mesh), "rank": rank, "world": prog.mesh.world_size,
+                   "seq_len": seq_len, "batch_size": batch_size, "published": published}
+    files["ledger"] = out / "ledger.json"
+    files["ledger"].write_text(json.dumps(data, indent=1))
+
+    pictures: list[Picture] = []
+
+    def draw(key: str, caption: str, gm, **kw) -> None:
+        view = build_view(gm, title=f"{name} · {caption}", max_nodes=max_nodes, pp=prog.mesh.pp, **kw)
+        tag = " (collapsed per layer)" if view.collapsed else ""
+        files[key] = Path(write_view(view, str(out / f"{key}.svg")))
+        if png:
+            files[f"{key}_png"] = Path(write_view(view, str(out / f"{key}.png")))
+        pictures.append(Picture(caption + tag, files[key]))
+
+    if "partitioned" in graphs:
+        draw("partitioned", f"forward IR after the passes (rank {rank})", graphs["partitioned"], direction="fwd")
+        layer = _first_moe_layer(graphs["partitioned"])
+        if layer is not None and len(graphs["partitioned"].graph.nodes) > max_nodes:
+            draw("layer", f"{layer} in detail", graphs["partitioned"], collapse=False, only_group=layer,
+                 direction="fwd")
+    if "backward" in graphs:
+        bw = graphs["backward"]
+        draw("backward", "backward graph and gradient reductions", bw, reductions=bucket_reductions(cm, bw),
+             direction="bwd")
+    plan = cm.lease_plan() if callable(getattr(cm, "lease_plan", None)) else None
+    timeline = timeline_svg(plan, f"{name} lease timeline") if plan is not None else None
+    if timeline is not None:
+        files["timeline"] = out / "timeline.svg"
+        files["timeline"].write_text(timeline)
+
+    blocks = "<table><tr><th>MoE block</th><th>what the front end understood</th><th>probed</th></tr>" + "".join(
+        f"<tr><td>{html.escape(b.path)}</td><td>{html.escape(b.describe())}</td>"
+        f"<td>{'yes' if b.checked else 'no (meta weights: read from attributes)'}</td></tr>"
+        for b in prog.blocks.values()) + "</table>"
+    records = "<table><tr><th>pass</th><th>op-count diff</th></tr>" + "".join(
+        f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(str(dict(sorted(r.op_diff.items()))))}</td></tr>"
+        for r in prog.records) + "</table>"
+    sections = {"MoE blocks": blocks, "Passes": records}
+    if cm.ddp is not None:
+        sections["Gradient buckets"] = "<table><tr><th>family</th><th>dtype</th><th>params</th><th>bytes</th></tr>" + \
+            "".join(f"<tr><td>{b['family']}</td><td>{b['dtype']}</td><td>{b['params']}</td><td>{b['bytes']:,}</td></tr>"
+                    for b in cm.ddp.bucket_summary()) + "</table>"
+    notes = [f"mesh {prog.mesh} ({prog.mesh.world_size} ranks), seen from rank {rank}"
+             + (f"; {batch_size}×{seq_len} tokens per rank per micro-batch" if seq_len else "")]
+    if published:
+        notes.append(published)
+    files["report"] = write_report(out / "report.html", title=f"moe-compile explain: {name}", ledger=ledger,
+                                   pictures=pictures, timeline=timeline, sections=sections, notes=notes)
+    return files

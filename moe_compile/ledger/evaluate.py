@@ -1,0 +1,265 @@
+"""Evaluate the ledger for a compiled model: gather the symbol values from the model, the program,
+its captured graphs and the mesh; substitute them into every formula; add the figures read off the
+graphs (saved activations, working-memory high-water) and the lease plan (symmetric payloads).
+
+    values  = model shape (block specs) + exact parameter counts (model) + T, dtypes (graphs)
+              + mesh degrees + options (capacity factor, micro-batches, optimizer state bytes)
+    figure  = formula(name).subs(values)            for every formula
+            + graph liveness figures                when forward/backward graphs exist
+            + lease-plan figures                    when the program has a lease plan
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sympy as sp
+import torch
+
+from ..ir import MOE_META, Role
+from .formulas import FORMULAS, fig
+from .memory import GraphMemory, graph_memory
+from .model_counts import LedgerError, MoEShape, ParamCounts, count_params, dtype_bytes, moe_shape
+from .symbols import SYMBOLS
+
+
+def definition(name: str) -> sp.Expr:
+    """Figure ``name`` as defined: over base symbols and other figures."""
+    try:
+        return FORMULAS[name].expr
+    except KeyError:
+        raise LedgerError(f"no ledger figure {name!r}; figures: {sorted(FORMULAS)}") from None
+
+
+def formula(name: str) -> sp.Expr:
+    """Figure ``name`` expanded to the base symbols of :mod:`moe_compile.ledger.symbols`."""
+    expr = definition(name)
+    for _ in range(len(FORMULAS)):
+        figs = {s for s in expr.free_symbols if str(s) in FORMULAS and s == fig(str(s))}
+        if not figs:
+            return expr
+        expr = expr.subs({s: FORMULAS[str(s)].expr for s in figs})
+    raise LedgerError(f"ledger figure {name!r} has a circular definition")
+
+
+@dataclass
+class Figure:
+    name: str
+    value: int | float | None
+    unit: str
+    group: str
+    doc: str
+    formula: str  # the definition, as text ('' for figures read off graphs or plans)
+    source: str  # formula | graph | lease plan | runtime
+    note: str = ""
+
+
+@dataclass
+class Ledger:
+    """Every figure for one compiled model, plus the symbol values they were evaluated with."""
+
+    figures: dict[str, Figure]
+    values: dict[str, int | float]
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> int | float | None:
+        return self.figures[name].value
+
+    @property
+    def shorthand(self) -> str:
+        """XB@YB: billions of active @ total parameters."""
+        def b(x: float) -> str:
+            return f"{x / 1e9:.2f}B" if x >= 1e8 else f"{x / 1e9:.3g}B"
+
+        return f"{b(self['P_active'])}@{b(self['P_total'])}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: f.value for name, f in self.figures.items()}
+        out["shorthand"] = self.shorthand
+        out["symbols"] = dict(self.values)
+        out["figures"] = {name: asdict(f) for name, f in self.figures.items()}
+        out["notes"] = list(self.notes)
+        return out
+
+    def to_json(self, indent: int = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def rows(self) -> list[tuple[str, str, str, str, str]]:
+        """(group, figure, value, formula, meaning) for tables."""
+        return [(f.group, f.name, format_value(f.value, f.unit), f.formula or f"({f.source})", f.doc)
+                for f in self.figures.values()]
+
+
+def format_value(v: int | float | None, unit: str) -> str:
+    if v is None:
+        return "n/a"
+    if unit == "bytes":
+        for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if abs(v) >= scale:
+                return f"{v / scale:.2f} {suffix}"
+        return f"{int(v)} B"
+    if unit in ("params", "FLOPs") and abs(v) >= 1e6:
+        for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+            if abs(v) >= scale:
+                return f"{v / scale:.3f}{suffix}" + (" FLOP" if unit == "FLOPs" else "")
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return f"{v:,}"
+
+
+def _num(x: sp.Expr) -> int | float:
+    x = sp.nsimplify(x) if not isinstance(x, sp.Basic) else x
+    if x.is_Integer:
+        return int(x)
+    if x.is_Rational and x.q == 1:
+        return int(x.p)
+    return float(x)
+
+
+# -- gathering values -------------------------------------------------------------------------
+
+
+def _attention(captured: torch.fx.GraphModule | None) -> tuple[int, int, int, int] | None:
+    """(L_attn, d_qk, d_v, S) from the scaled-dot-product-attention calls of the captured graph."""
+    if captured is None:
+        return None
+    calls = [n for n in captured.graph.nodes if n.op == "call_function"
+             and n.target is torch.nn.functional.scaled_dot_product_attention]
+    if not calls:
+        return None
+    q, k, v = (calls[0].args[i].meta["val"] for i in range(3))
+    heads, s = q.shape[-3], k.shape[-2]
+    return len(calls), heads * q.shape[-1], heads * v.shape[-1], s
+
+
+def _dispatch_spec(graphs: dict[str, torch.fx.GraphModule]):
+    for key in ("partitioned", "joint", "forward"):
+        g = graphs.get(key)
+        if g is None:
+            continue
+        for n in g.graph.nodes:
+            meta = n.meta.get(MOE_META)
+            if meta is not None and meta.role == Role.DISPATCH and meta.dispatch is not None:
+                return meta.dispatch, n
+    return None, None
+
+
+def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, capacity_factor: float | None,
+                  micro_batches: int, optimizer_state_bytes: int, main_weights: bool | None, mxfp8: bool,
+                  activation_dtype: torch.dtype | None, tokens: int | None,
+                  seq_len: int | None) -> tuple[dict[str, int | float | None], list[str]]:
+    notes: list[str] = []
+    spec, dnode = _dispatch_spec(graphs)
+    if spec is not None:
+        tokens = spec.num_tokens
+        activation_dtype = dnode.meta["val"][0].dtype if isinstance(dnode.meta.get("val"), tuple) else activation_dtype
+    if activation_dtype is None:
+        raise LedgerError("ledger: no activation dtype (no captured graph and none given)")
+    b_w = sp.Rational(counts.local_bytes, counts.local)
+    b_a = dtype_bytes(activation_dtype)
+    attn = _attention(graphs.get("captured"))
+    if attn is None:
+        notes.append("attention FLOPs need a captured graph with scaled_dot_product_attention calls")
+    if main_weights is None:
+        main_weights = b_w < 4
+    v: dict[str, int | float | None] = dict(
+        d=shape.d, h_e=shape.h_e, N=shape.N, K=shape.K, L=shape.layers, G=int(shape.gated),
+        m_s=shape.m_s, G_s=1, sigma_s=0, P_bb=counts.backbone, P_lookup=counts.lookup, P_vec=counts.vector,
+        pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep_dp=mesh.ep_dp, ep_mp=mesh.ep_mp,
+        c_f=mesh.ep_mp if capacity_factor is None else capacity_factor,
+        m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
+        b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8), H=None,
+        L_attn=None, d_qk=None, d_v=None,
+    )
+    if shape.m_s:
+        L = shape.layers
+        per = counts.shared // L
+        if counts.shared % L or per not in (2 * shape.d * shape.m_s, 3 * shape.d * shape.m_s):
+            raise LedgerError(f"ledger: shared experts hold {counts.shared} parameters over {L} layers, which is not "
+                              f"L·(2 or 3)·d·m_s with d={shape.d}, m_s={shape.m_s}")
+        v["G_s"] = int(per == 3 * shape.d * shape.m_s)
+        if counts.shared_gate not in (0, L * shape.d):
+            raise LedgerError(f"ledger: shared-expert gates hold {counts.shared_gate} parameters, not L·d = {L * shape.d}")
+        v["sigma_s"] = int(counts.shared_gate > 0)
+    if attn is not None:
+        v["L_attn"], v["d_qk"], v["d_v"], s = attn
+        v["S"] = v["S"] or s
+    if tokens is not None:
+        v["B"] = micro_batches * tokens * mesh.cp
+    else:
+        notes.append("token-dependent figures need T: run one forward (or pass tokens=)")
+    return v, notes
+
+
+def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | None = None, lease_plan=None,
+             notes: list[str] | None = None) -> Ledger:
+    subs = {SYMBOLS[k].symbol: sp.nsimplify(v) if isinstance(v, float) else v
+            for k, v in values.items() if v is not None and k in SYMBOLS}
+    figures: dict[str, Figure] = {}
+    for name, f in FORMULAS.items():
+        expr = formula(name).subs(subs)
+        value = None if expr.free_symbols else _num(expr)
+        note = "" if value is not None else "needs " + ", ".join(sorted(str(s) for s in expr.free_symbols))
+        figures[name] = Figure(name, value, f.unit, f.group, f.doc, str(f.expr), "formula", note)
+    notes = list(notes or [])
+
+    def add(name: str, value, unit: str, group: str, doc: str, source: str) -> None:
+        figures[name] = Figure(name, value, unit, group, doc, "", source)
+
+    if graph_mem is not None:
+        add("M_saved", graph_mem.saved_bytes, "bytes", "working", "activations the forward keeps for backward "
+            "(all layers, one micro-batch)", "graph")
+        add("M_saved_moe_graph", sum(graph_mem.saved_moe_bytes.values()), "bytes", "working",
+            "of those, produced by MoE ops (compare M_saved_moe)", "graph")
+        add("M_grads_transient", graph_mem.grad_bytes, "bytes", "working",
+            "gradients the backward graph returns together before accumulation", "graph")
+        add("M_working", graph_mem.high_water, "bytes", "working", "execution working memory high-water over one "
+            "forward and backward (graph liveness; kernel-internal temporaries excluded)", "graph")
+    else:
+        notes.append("graph figures (saved activations, working-memory high-water) need a compiled forward and "
+                     "backward: run one training step first")
+    if lease_plan is not None:
+        add("M_sym", lease_plan.symmetric_bytes, "bytes", "working", "symmetric memory the lease pools allocate "
+            "(slots x slot bytes, all pools)", "lease plan")
+        add("H_payloads", sum(lease_plan.high_water.values()), "payloads", "working",
+            "high-water payload count summed over (stage, family) pools", "lease plan")
+    else:
+        notes.append("no lease plan: the program has no lease_plan (symmetric payload figures not planned)")
+    return Ledger(figures, {k: (float(v) if isinstance(v, sp.Rational) and v.q != 1 else
+                                (int(v) if isinstance(v, sp.Integer) else v))
+                            for k, v in values.items() if v is not None}, notes)
+
+
+def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, main_weights: bool | None = None,
+               tokens: int | None = None, seq_len: int | None = None) -> Ledger:
+    """The ledger of a CompiledMoE (see :meth:`CompiledMoE.ledger`)."""
+    prog = cm.program
+    shape = moe_shape(prog.blocks.values())
+    counts = count_params(cm.model, prog.blocks.values(), cm.is_expert_param, prog.ep_size)
+    expected = shape.layers * shape.N * (2 + int(shape.gated)) * shape.d * shape.h_e
+    if counts.expert_total != expected:
+        raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
+                          f"L·N·(2+G)·d·h_e = {expected}")
+    graphs = dict(prog.graphs)
+    act = next((p.dtype for n, p in cm.model.named_parameters() if p.is_floating_point()), None)
+    values, notes = gather_values(
+        shape, counts, prog.mesh, graphs, capacity_factor=prog.options.capacity_factor,
+        micro_batches=micro_batches, optimizer_state_bytes=optimizer_state_bytes, main_weights=main_weights,
+        mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
+    )
+    gm = None
+    if "forward" in graphs:
+        gm = graph_memory(graphs["forward"], graphs.get("backward"))
+    plan = cm.lease_plan() if callable(getattr(cm, "lease_plan", None)) else None
+    if plan is not None and values.get("H") is None:
+        values["H"] = max(plan.high_water.values(), default=0)
+    led = evaluate(values, gm, plan, notes)
+    led.values["P_dense_measured"] = counts.dense
+    led.values["P_E_measured"] = counts.expert_total
+    led.values["P_local_measured"] = counts.local
+    return led
+
+
+__all__ = ["Figure", "GraphMemory", "Ledger", "definition", "evaluate", "formula", "format_value", "ledger_for"]

@@ -1,0 +1,165 @@
+"""The ledger's formulas: one sympy expression per figure, over the base symbols of
+:mod:`.symbols` and the other figures (``definition``), or fully expanded (``formula``).
+
+Groups: parameters (counts), persistent training state (bytes per rank), execution working memory
+(bytes per rank per micro-batch), traffic (bytes per rank per optimizer step, per process group),
+compute (FLOPs). Conventions stated where a figure depends on one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .symbols import (
+    B,
+    G,
+    G_s,
+    H,
+    K,
+    L,
+    L_attn,
+    N,
+    P_bb,
+    P_lookup,
+    P_vec,
+    S,
+    T,
+    b_a,
+    b_g,
+    b_i,
+    b_main,
+    b_opt,
+    b_r,
+    b_w,
+    c_f,
+    cp,
+    d,
+    d_qk,
+    d_v,
+    dp,
+    ep_dp,
+    ep_mp,
+    h_e,
+    m,
+    m_s,
+    pp,
+    q_mx,
+    sigma_s,
+)
+
+
+@dataclass(frozen=True)
+class Formula:
+    name: str
+    expr: sp.Expr  # over base symbols and other figures' symbols
+    unit: str  # params | ratio | rows | bytes | FLOPs
+    group: str
+    doc: str
+
+
+FORMULAS: dict[str, Formula] = {}
+_FIG: dict[str, sp.Symbol] = {}
+
+
+def fig(name: str) -> sp.Symbol:
+    """The symbol standing for figure ``name`` inside other figures' definitions."""
+    return _FIG[name]
+
+
+def _def(name: str, expr: sp.Expr, unit: str, group: str, doc: str) -> sp.Symbol:
+    FORMULAS[name] = Formula(name, sp.sympify(expr), unit, group, doc)
+    _FIG[name] = sp.Symbol(name, positive=True)
+    return _FIG[name]
+
+
+# -- routing shapes -----------------------------------------------------------------------------
+R = _def("R", T * K, "rows", "routing", "routed rows per rank per MoE layer (T·K)")
+C = _def("C", sp.ceiling(c_f * T * K), "rows", "routing",
+         "receive-buffer rows per rank per MoE layer (capacity; dropless: ep_mp·T·K)")
+L_loc = _def("L_loc", N / ep_mp, "experts", "routing", "num_local_experts: routed experts stored per EP-MP rank")
+
+# -- parameters -------------------------------------------------------------------------------
+P_E_layer = _def("P_E_layer", N * (2 + G) * d * h_e, "params", "parameters", "routed-expert parameters of one MoE layer")
+P_E = _def("P_E", L * P_E_layer, "params", "parameters", "routed-expert parameters of the model")
+P_router = _def("P_router", L * N * d, "params", "parameters", "router projections [N, d] of all MoE layers")
+P_shared = _def("P_shared", L * ((2 + G_s) * d * m_s + sigma_s * d), "params", "parameters",
+                "shared experts (and their gates): always active, dense family")
+P_dense = _def("P_dense", P_bb + P_router + P_shared, "params", "parameters",
+               "dense (non-expert) parameters: backbone, routers, shared experts")
+P_total = _def("P_total", P_dense + P_E, "params", "parameters", "total parameters: the persistent parameter pool")
+P_active = _def("P_active", P_dense + L * K * (2 + G) * d * h_e, "params", "parameters",
+                "parameters one token uses: every dense parameter (embeddings and head included) and K of N "
+                "experts per MoE layer")
+_def("alpha_E", K / N, "ratio", "parameters", "expert activation ratio K/N")
+_def("alpha_P", P_active / P_total, "ratio", "parameters", "parameter activation ratio P_active/P_total")
+_def("Gamma_capacity", P_total / P_active, "ratio", "parameters", "capacity-to-active gap P_total/P_active = 1/alpha_P")
+P_local = _def("P_local", (P_dense + P_E / ep_mp) / pp, "params", "parameters",
+               "parameters one rank holds after PP and EP placement (layers split evenly over pp)")
+
+# -- persistent training state (bytes per rank) -------------------------------------------------
+M_w = _def("M_weights", P_local * b_w, "bytes", "persistent", "compute weights")
+M_g = _def("M_grads", P_local * b_g, "bytes", "persistent", "accumulated gradients (flat dense and expert buckets)")
+M_main = _def("M_main", P_local * b_main, "bytes", "persistent", "FP32 main weights")
+M_opt = _def("M_opt", P_local * b_opt, "bytes", "persistent", "optimizer states (replicated over dp)")
+M_mx = _def("M_mxfp8", q_mx * 2 * (1 + sp.Rational(1, 32)) * P_E / (pp * ep_mp), "bytes", "persistent",
+            "MXFP8 compute-weight caches of the local experts: 1-byte qdata plus one E8M0 scale per 32 "
+            "elements, in two orientations (forward and transposed)")
+_def("M_persistent", M_w + M_g + M_main + M_opt + M_mx, "bytes", "persistent", "persistent training state per rank")
+
+# -- execution working memory (bytes per rank, one micro-batch) -----------------------------------
+_layout = 2 * ep_mp * N * b_i  # layout [2, ep, ep, L_loc] int64
+M_route = _def("M_route_layer", T * N * b_a + T * K * (b_r + b_i) + R * b_i + N * b_i + _layout + L_loc * b_i,
+               "bytes", "working", "routing buffers of one MoE layer: logits, route weights and indices, "
+               "permutation order, per-expert counts, dispatch layout, receive counts")
+M_comm = _def("M_comm_layer", (2 * R + 2 * C) * d * b_a, "bytes", "working",
+              "communication buffers of one MoE layer: permuted send rows, receive buffer, expert output, "
+              "returned rows")
+M_ffn = _def("M_ffn_layer", C * (1 + G) * h_e * b_a, "bytes", "working", "expert FFN pre-activations of one MoE layer")
+M_saved_layer = _def(
+    "M_saved_moe_layer",
+    T * K * (b_i + b_r) + R * b_i + _layout + L_loc * b_i + C * d * b_a + C * (1 + G) * h_e * b_a + R * d * b_a,
+    "bytes", "working",
+    "what the MoE ops of one layer keep for backward: route indices and weights, order, layout, receive "
+    "counts, receive buffer, pre-activations, returned rows",
+)
+_def("M_ffn_workspace", C * ((5 + 2 * G) * h_e + d) * b_a, "bytes", "working",
+     "bound on the temporaries inside one moe::grouped_ffn_backward (torch kernels: activation recompute, "
+     "gate/up gradients, input gradient) on top of the graph's values")
+_def("M_saved_moe", L * M_saved_layer, "bytes", "working", "MoE tensors kept for backward, all MoE layers")
+_def("M_sym", H * C * d * b_a, "bytes", "working",
+     "symmetric payloads at high-water: H receive buffers of C rows live at once (one family)")
+
+# -- traffic (bytes per rank per optimizer step) --------------------------------------------------
+V_row = m * L * R * d * b_a
+for _kind, _what in (("dispatch", "dispatch"), ("combine_backward", "combine mirror")):
+    _def(f"V_{_kind}", V_row, "bytes", "traffic",
+         f"ep_mp {_what}: the rank's T·K rows leaving through the transport, its own included (exact when "
+         "dropless; an upper bound with a capacity)")
+for _kind, _what in (("combine", "combine"), ("dispatch_backward", "dispatch mirror")):
+    _def(f"V_{_kind}", V_row, "bytes", "traffic",
+         f"ep_mp {_what}: rows the rank returns (those it received): routing-dependent per rank, exact as the "
+         "mean over an EP-MP group when dropless (every row sent comes back)")
+V_ep = _def("V_ep_mp", 4 * V_row, "bytes", "traffic", "ep_mp total: dispatch, combine and their backward mirrors")
+_def("V_ep_mp_peer", V_ep * (1 - 1 / ep_mp), "bytes", "traffic",
+     "ep_mp bytes to other ranks, expected value under uniform routing (a routed row stays on its rank "
+     "with probability 1/ep_mp)")
+V_dense = _def("V_dense_bucket", P_dense / pp * b_g, "bytes", "traffic",
+               "dense buckets all-reduced over dp x cp each step (0 traffic when dp·cp = 1)")
+_def("V_dense_sent", 2 * (dp * cp - 1) / (dp * cp) * V_dense, "bytes", "traffic",
+     "dense reduction bytes each rank sends (ring all-reduce: 2(n-1)/n of the buckets)")
+V_exp = _def("V_expert_bucket", P_E / (pp * ep_mp) * b_g, "bytes", "traffic",
+             "expert buckets all-reduced over ep_dp each step (0 traffic when ep_dp = 1)")
+_def("V_expert_sent", 2 * (ep_dp - 1) / ep_dp * V_exp, "bytes", "traffic",
+     "expert reduction bytes each rank sends (ring all-reduce over ep_dp)")
+
+# -- compute ---------------------------------------------------------------------------------------
+F_fwd = _def("F_fwd_token", 2 * (P_active - P_lookup - P_vec) + 2 * L_attn * S * (d_qk + d_v), "FLOPs", "compute",
+             "forward FLOPs per token: 2 per multiply-add of every active matmul parameter, plus attention "
+             "scores and values over all S keys (the non-causal count torch's FLOP counter makes)")
+F_train = _def("F_train_token", 3 * F_fwd, "FLOPs", "compute", "training FLOPs per token (backward = 2 x forward)")
+_def("F_step_rank", F_train * B / cp, "FLOPs", "compute",
+     "training FLOPs per rank per optimizer step (B/cp = m·T tokens on this rank)")
+
+__all__ = ["FORMULAS", "Formula", "fig"]

@@ -1,0 +1,81 @@
+"""`moe-compile explain`: compile for a mesh in one process (fake process group, meta tensors) and
+write ledger.json, the graphs and report.html; bad input is named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from moe_compile.cli import main
+from moe_compile.models import TinyMoEConfig, TinyMoELM, tiny_hf_config, tiny_hf_model
+
+from .test_viz import _Checker, svg_classes
+
+
+def run_explain(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "explain", *args], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_explain_tiny_for_a_32_rank_mesh(tmp_path, capsys):
+    """In this process (the CLI entry point, without a subprocess): explain starts and ends its own fake
+    process group."""
+    out = tmp_path / "tiny"
+    assert main(["explain", "--model", "tiny", "--mesh", "dp=32,ep_mp=4", "--rank", "5", "--seq-len", "64",
+                 "--batch-size", "2", "--dtype", "float32", "--out", str(out)]) == 0
+    assert not torch.distributed.is_initialized()
+    data = json.loads((out / "ledger.json").read_text())
+    total = sum(p.numel() for p in TinyMoELM(TinyMoEConfig()).parameters())
+    assert data["P_total"] == total and data["shorthand"] in capsys.readouterr().out
+    assert {"P_active", "P_total", "shorthand", "P_local", "M_persistent", "M_working", "V_ep_mp", "V_dense_sent",
+            "V_expert_sent", "F_train_token"} <= set(data)
+    s = data["symbols"]
+    assert (s["dp"], s["ep_dp"], s["ep_mp"], s["T"]) == (32, 8, 4, 128)
+    assert data["C"] == 4 * 128 * 2  # dropless: ep_mp·T·K receive rows
+    assert data["P_local"] == data["P_dense"] + data["P_E"] // 4
+    assert data["V_dense_sent"] == 2 * 31 / 32 * data["V_dense_bucket"]
+    assert data["run"]["rank"] == 5 and data["run"]["world"] == 32
+    part, back = svg_classes(out / "partitioned.svg"), svg_classes(out / "backward.svg")
+    assert {"moe-router", "moe-permute", "moe-dispatch", "moe-expert_ffn", "moe-combine", "moe-unpermute"} <= part
+    assert {"moe-dispatch", "moe-combine", "moe-mirror", "moe-reduction"} <= back
+    assert (out / "partitioned.png").stat().st_size > 0
+    checker = _Checker()
+    checker.feed((out / "report.html").read_text())
+    assert checker.stack == []
+    assert "no lease plan" in (out / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_explain_hf_config_file(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(tiny_hf_config("qwen2_moe", layers=1).to_json_string())
+    out = tmp_path / "qwen"
+    run_explain("--hf-config", str(cfg), "--mesh", "ep_dp=2,ep_mp=2", "--seq-len", "32", "--no-png",
+                "--out", str(out))
+    data = json.loads((out / "ledger.json").read_text())
+    model = tiny_hf_model("qwen2_moe", layers=1)
+    assert data["P_total"] == sum(p.numel() for p in model.parameters())
+    assert data["symbols"]["sigma_s"] == 1 and data["P_shared"] > 0  # gated shared expert, dense family
+    assert data["V_expert_sent"] == data["V_expert_bucket"]  # ring over ep_dp = 2: 2·(2-1)/2
+    root = ET.parse(out / "backward.svg").getroot()
+    labels = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert "expert bucket" in labels and "ep_dp = 2 ranks" in labels and "dp×cp = 4 ranks" in labels
+    assert not (out / "partitioned.png").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hf", "gpt-moe-9000", "--mesh", "dp=2"], "no published configuration by that name"),
+    (["--model", "tiny", "--mesh", "ep_mp=2"], "give dp= (or ep_dp=)"),
+    (["--model", "tiny", "--mesh", "dp=2", "--rank", "2"], "rank 2 is not a rank of mesh"),
+    (["--model", "tiny", "--mesh", "dp=4,ep_mp=3"], "ep_mp=3 does not divide"),
+])
+def test_explain_names_bad_input(tmp_path, capsys, args, message):
+    assert main(["explain", *args, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
