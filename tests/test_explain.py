@@ -49,7 +49,10 @@ def test_explain_tiny_for_a_32_rank_mesh(tmp_path, capsys):
     checker = _Checker()
     checker.feed((out / "report.html").read_text())
     assert checker.stack == []
-    assert "no lease plan" in (out / "report.html").read_text()
+    # the symmetric transport's lease plan (planned on a heap of meta tensors): a timeline whose
+    # high-water is one lease per MoE layer, and the symmetric bytes in the ledger
+    assert (out / "timeline.svg").exists() and "no lease plan" not in (out / "report.html").read_text()
+    assert data["M_sym"] > 0 and data["H_payloads"] >= TinyMoEConfig().n_layers
 
 
 @pytest.mark.slow

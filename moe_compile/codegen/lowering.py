@@ -75,20 +75,24 @@ def place_lease_ops(gm: fx.GraphModule, ctx: PassContext) -> int:
     for n in g.nodes:
         if n.op == "call_function" and op_name(n.target) and not op_name(n.target).startswith("lease_"):
             by_op.setdefault((op_name(n.target), op_arg(n, "block")), []).append(n)
+    def tensor_input(n: fx.Node) -> fx.Node:
+        return next(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+
     first = next(n for n in g.nodes if n.op != "placeholder")
+    like = next(n for n in g.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
     with g.inserting_before(first):
-        g.call_function(torch.ops.moe.lease_activate.default, (prog.ctx_id, plan_id))
+        g.call_function(torch.ops.moe.lease_activate.default, (prog.ctx_id, plan_id, like))
     placed = 1
     for p in plan.payloads:
         for reader in set(p.readers):
             for n in by_op.get(reader, []):
                 with g.inserting_before(n):
-                    g.call_function(torch.ops.moe.lease_check.default, (prog.ctx_id, p.name))
+                    g.call_function(torch.ops.moe.lease_check.default, (prog.ctx_id, p.name, tensor_input(n)))
                 placed += 1
         if p.released_by is not None:
             for n in by_op.get(p.released_by, []):
                 with g.inserting_after(n):
-                    g.call_function(torch.ops.moe.lease_release.default, (prog.ctx_id, p.name))
+                    g.call_function(torch.ops.moe.lease_release.default, (prog.ctx_id, p.name, tensor_input(n)))
                 placed += 1
     g.lint()
     gm.recompile()

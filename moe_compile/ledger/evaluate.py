@@ -251,7 +251,7 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
     )
     gm = None
     if "forward" in graphs:
-        gm = graph_memory(graphs["forward"], graphs.get("backward"))
+        gm = graph_memory(graphs["forward"], graphs.get("backward"), symmetric=cm.program.transport == "symmetric")
     plan = cm.lease_plan() if callable(getattr(cm, "lease_plan", None)) else None
     if plan is not None and values.get("H") is None:
         values["H"] = max(plan.high_water.values(), default=0)

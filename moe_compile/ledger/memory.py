@@ -11,7 +11,9 @@ once. The model follows how the compiled program runs:
               at its end, before autograd accumulates them into ``.grad``
     high-water = the most bytes live at any node, beyond parameters and inputs
 
-Kernel-internal temporaries (inside one op) are not graph values and are not counted.
+Kernel-internal temporaries (inside one op) are not graph values and are not counted. Under the
+symmetric transport the rows dispatch and combine_backward write live in the lease pools' symmetric
+memory (M_sym), not in the allocator: those outputs are left out here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from ..ir import MOE_META
+from ..ops import op_name
+
+SYMMETRIC_WRITERS = ("dispatch", "combine_backward")  # their row outputs are lease-pool views
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,15 @@ class _Sim:
         self.profile: list[tuple[str, int]] = []
         self.record = record
 
-    def run(self, gm: fx.GraphModule, external: set, keep: set[fx.Node], free_placeholders: bool) -> None:
+    def run(self, gm: fx.GraphModule, external: set, keep: set[fx.Node], free_placeholders: bool,
+            symmetric: bool = False) -> None:
         nodes = list(gm.graph.nodes)
+        if symmetric:
+            for n in nodes:
+                if n.op == "call_function" and op_name(n.target) in SYMMETRIC_WRITERS:
+                    v = n.meta.get("val")
+                    for t in _tensors(v[0] if op_name(n.target) == "dispatch" else v):
+                        external.add(_key(t))
         last: dict[fx.Node, int] = {}
         for i, n in enumerate(nodes):
             for a in n.all_input_nodes:
@@ -106,7 +118,7 @@ class _Sim:
 
 
 def graph_memory(forward: fx.GraphModule, backward: fx.GraphModule | None, saved_until_end: bool = True,
-                 record: bool = False) -> GraphMemory:
+                 record: bool = False, symmetric: bool = False) -> GraphMemory:
     """Liveness of the executable graphs of one training step (see the module docstring)."""
     f_out = list(forward.graph.output_node().args[0])
     f_ph = {_key(t) for n in forward.graph.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))}
@@ -117,7 +129,10 @@ def graph_memory(forward: fx.GraphModule, backward: fx.GraphModule | None, saved
         raise ValueError(f"backward graph takes {len(b_saved)} saved values but forward returns only {len(f_out)}")
     keep = {a for a in f_out if isinstance(a, fx.Node)}
     fsim = _Sim("forward", {}, record)
-    fsim.run(forward, f_ph, keep, free_placeholders=False)
+    f_ph = set(f_ph)
+    before = set(f_ph)
+    fsim.run(forward, f_ph, keep, free_placeholders=False, symmetric=symmetric)
+    f_ph_symmetric = f_ph - before  # lease-pool views the forward writes
 
     def bytes_of(nodes: list) -> tuple[int, dict[StorageWeakRef, int]]:
         ks = {}
@@ -134,15 +149,15 @@ def graph_memory(forward: fx.GraphModule, backward: fx.GraphModule | None, saved
     output_bytes, _ = bytes_of(f_out[:n_user])
     by_role: dict[str, int] = defaultdict(int)
     seen: set = set()
-    for a in saved_nodes:
+    for a in saved_nodes:  # what backward holds of MoE ops, in the allocator or in symmetric memory
         if not isinstance(a, fx.Node):
             continue
         meta = _producer(a).meta.get(MOE_META)
         for t in _tensors(a.meta.get("val")):
             k = _key(t)
-            if meta is not None and k in saved_keys and k not in seen:
+            if meta is not None and k not in seen and (k in saved_keys or k in f_ph_symmetric):
                 seen.add(k)
-                by_role[meta.role.value] += saved_keys[k]
+                by_role[meta.role.value] += saved_keys.get(k, _nbytes(t))
     if backward is None:
         return GraphMemory(saved_bytes, dict(by_role), output_bytes, fsim.peak, 0, 0, fsim.profile)
 
@@ -163,7 +178,7 @@ def graph_memory(forward: fx.GraphModule, backward: fx.GraphModule | None, saved
                 live[_key(t)] = _nbytes(t)
     bsim = _Sim("backward", live, record)
     b_out = [a for a in backward.graph.output_node().args[0] if isinstance(a, fx.Node)]
-    bsim.run(backward, external, set(b_out), free_placeholders=not saved_until_end)
+    bsim.run(backward, external, set(b_out), free_placeholders=not saved_until_end, symmetric=symmetric)
     grad_bytes = sum({_key(t): _nbytes(t) for a in b_out for t in _tensors(a.meta.get("val"))
                       if _key(t) not in external}.values())
     profile = fsim.profile + [(k, v + base) for k, v in bsim.profile]
