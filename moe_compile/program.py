@@ -26,6 +26,8 @@ class Program:
     records: list[PassRecord] = field(default_factory=list)
     compiles: int = 0
     lease_plans: dict[str, object] = field(default_factory=dict)  # "training" / "inference" → LeasePlan
+    codegen: str = "torch"  # resolved: torch | triton
+    kernel_plans: dict[str, list] = field(default_factory=dict)  # graph kind → [(block, op, [LaunchPlan])]
 
     @property
     def num_local(self) -> dict[str, int]:
