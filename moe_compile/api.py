@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backend import MoEBackend
+from .codegen.triton_mode import resolve_codegen
 from .compiled import CompiledMoE
 from .errors import MeshError, OptionError
 from .frontend import canonicalize, recognize
@@ -49,6 +50,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     by this rank's shard. Options: see :class:`CompileOptions`.
     """
     opts = CompileOptions.from_kwargs(options)
+    codegen = resolve_codegen(opts.codegen, _device_type(model))
     if isinstance(mesh, str):
         mesh = MeshSpec.parse(mesh)
     mesh = mesh or MeshSpec()
@@ -78,6 +80,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     program = Program(
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
+        codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}
     if opts.mxfp8 in ("experts+shared", "all"):
@@ -89,6 +92,11 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     _configure_dynamo()
     compiled = torch.compile(model, backend=MoEBackend(program), fullgraph=opts.fullgraph, dynamic=False)
     return CompiledMoE(model, program, groups, ddp, compiled)
+
+
+def _device_type(model: nn.Module) -> str:
+    p = next(iter(model.parameters()), None)
+    return p.device.type if p is not None else "cpu"
 
 
 def make_transport(spec: MeshSpec, groups, opts: CompileOptions, stats: RuntimeStats):

@@ -151,6 +151,19 @@ class CompiledMoE(nn.Module):
         """The runtime lease pools (observed high-water, symmetric bytes), or None off the symmetric transport."""
         return get_context(self.program.ctx_id).leases
 
+    def kernels(self) -> dict[str, list[dict[str, Any]]]:
+        """Per MoE layer (original module path), the generated kernels its lowered forward and backward
+        graphs launch: name, op, graph, specialisation, config and launch grid (codegen="triton"; empty
+        lists under torch codegen). Graphs are compiled at the first call (backward: first backward),
+        and a config still to be autotuned on the GPU shows as such until its first launch."""
+        from .codegen.kernel_cache import describe_plan
+
+        out: dict[str, list[dict[str, Any]]] = {b: [] for b in self.program.blocks}
+        for graph, records in self.program.kernel_plans.items():
+            for block, op, plans in records:
+                out[block].extend(describe_plan(p, op, graph) for p in plans)
+        return out
+
     def graphs(self) -> dict[str, torch.fx.GraphModule]:
         """Graphs of the last capture: captured (dense), partitioned, joint, forward, backward."""
         return dict(self.program.graphs)

@@ -8,7 +8,7 @@ from typing import Any
 from .errors import OptionError
 
 TRANSPORTS = ("auto", "all_to_all", "symmetric")
-CODEGENS = ("auto", "torch")
+CODEGENS = ("auto", "triton", "torch")
 MXFP8_MODES = (None, "experts", "experts+shared", "all")
 MXFP8_SCALE_MODES = ("rceil", "floor")
 
@@ -20,7 +20,8 @@ class CompileOptions:
     #                          where the EP group shares a host / has NVSHMEM, else all_to_all)
     lease_sharing: bool = True  # False: a fixed per-block cache per symmetric payload (no slot reuse)
     lease_debug: bool = False  # poison released symmetric slots (NaN) so stale reads show
-    codegen: str = "auto"  # which kernels run the partitioned graph
+    codegen: str = "auto"  # which kernels run the partitioned graph: auto (Triton on GPU, torch ops on
+    #                        CPU) | triton (on CPU tensors: the Triton interpreter) | torch
     mxfp8: str | None = None  # which linears run in MXFP8: experts | experts+shared | all
     mxfp8_scale_mode: str = "rceil"  # E8M0 scale rule: rceil (no saturation) | floor (OCP)
     debug_dir: str | None = None  # dump graphs before/after each pass here

@@ -28,6 +28,8 @@ class Program:
     lease_plans: dict[str, object] = field(default_factory=dict)  # "training" / "inference" → LeasePlan
     param_names: dict[int, str] = field(default_factory=dict)  # id(parameter) → name in the compiled model
     dense_weight_stores: dict[str, object] = field(default_factory=dict)  # dense linears running in MXFP8
+    codegen: str = "torch"  # resolved: torch | triton
+    kernel_plans: dict[str, list] = field(default_factory=dict)  # graph kind → [(block, op, [LaunchPlan])]
 
     @property
     def num_local(self) -> dict[str, int]:

@@ -1,10 +1,16 @@
 """Lowering: choose the kernel for every MoE node of the forward and backward graphs.
 
-Torch codegen (the CPU default) keeps each moe:: op on its torch kernel, with one rewrite: in an
-EP-MP group of one rank with a dropless capacity (capacity = T·K), dispatch and combine (and their
-mirrors) move no rows, so they lower to their inputs — the receive buffer *is* the permuted input —
-and the dispatch layout comes from ``moe::local_layout``. The IR graphs keep the nodes; only the
-executable graph loses the copies.
+    elide_local_transport   EP-MP group of one rank, dropless (capacity = T·K): dispatch and combine
+                            (and their mirrors) move no rows, so they lower to their inputs — the
+                            receive buffer *is* the permuted input — and the dispatch layout comes
+                            from ``moe::local_layout``
+    place_lease_ops         symmetric transport: activate / check / release the lease plan
+    lower_to_triton         codegen="triton": each moe:: node with an entry in the lowering table
+                            (lowering_table.py) becomes its moe_triton:: twin (same schema); the
+                            launches it makes are recorded per MoE layer for CompiledMoE.kernels()
+
+Torch codegen (the CPU default) keeps each moe:: op on its torch kernel. The IR graphs keep the
+nodes; only the executable graphs change.
 """
 
 from __future__ import annotations
@@ -14,16 +20,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..errors import OptionError
-from ..ops import op_name
+from ..ops import op_name, op_namespace
 from ..passes.base import PassContext, op_arg
 from ..runtime import get_context
-
-
-def resolve_codegen(requested: str) -> str:
-    if requested in ("auto", "torch"):
-        return "torch"
-    raise OptionError(f"codegen={requested!r} is not available")
 
 
 def _local_dropless(n: fx.Node, ctx: PassContext, cap_arg: str, rows_of: fx.Node) -> bool:
@@ -99,9 +98,58 @@ def place_lease_ops(gm: fx.GraphModule, ctx: PassContext) -> int:
     return placed
 
 
+def lower_to_triton(gm: fx.GraphModule, ctx: PassContext, kind: str) -> list[tuple[str, str, list]]:
+    """Swap each moe:: node that has a Triton lowering for its moe_triton:: twin; returns
+    (block, op, launch plans) per swapped node."""
+    from contextlib import nullcontext
+
+    from .lowering_table import triton_lowerings
+
+    table = triton_lowerings()
+    records = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or op_namespace(n.target) != "moe" or op_name(n.target) not in table:
+            continue
+        entry = table[op_name(n.target)]
+        args = fx.node.map_aggregate(n.args, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
+        kwargs = fx.node.map_aggregate(n.kwargs, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
+        with ctx.fake_mode if ctx.fake_mode is not None else nullcontext():
+            plans = entry.plan(*args, **kwargs)
+        records.append((op_arg(n, "block"), op_name(n.target), plans))
+        n.target = entry.target
+    gm.recompile()
+    return records
+
+
+def dump_kernels(records: list[tuple[str, str, list]], kind: str, debug_dir: str) -> None:
+    """Write each used kernel file's source and the launches of this graph under debug_dir/kernels/."""
+    import inspect
+    from pathlib import Path
+
+    from .kernel_cache import describe_plan
+    from .triton_mode import kernel_module
+
+    out = Path(debug_dir) / "kernels"
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for block, op, plans in records:
+        for p in plans:
+            d = describe_plan(p, op, kind)
+            lines.append(f"{block}  {op}  {d['name']}  grid={d['grid']}  config={d['config']}  {d['specialisation']}")
+            src = out / f"{p.spec.family}.py"
+            if not src.exists():
+                src.write_text(inspect.getsource(kernel_module(p.spec.family)))
+    (out / f"{kind}_launches.txt").write_text("\n".join(lines) + "\n")
+
+
 def lower(gm: fx.GraphModule, ctx: PassContext, kind: str) -> fx.GraphModule:
-    resolve_codegen(ctx.program.options.codegen)
-    gm.meta["moe_codegen"] = "torch"
+    prog = ctx.program
+    gm.meta["moe_codegen"] = prog.codegen
     gm.meta["moe_elided_transport"] = elide_local_transport(gm, ctx)
     gm.meta["moe_lease_ops"] = place_lease_ops(gm, ctx)
+    if prog.codegen == "triton":
+        records = lower_to_triton(gm, ctx, kind)
+        prog.kernel_plans[kind] = records
+        if prog.options.debug_dir:
+            dump_kernels(records, kind, prog.options.debug_dir)
     return gm
