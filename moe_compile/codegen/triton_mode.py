@@ -24,7 +24,7 @@ from types import ModuleType
 from ..errors import OptionError
 
 KERNEL_PACKAGE = "moe_compile.codegen.kernels"
-FAMILIES = ("route_map", "permute", "unpermute", "grouped_gemm", "swiglu")
+FAMILIES = ("route_map", "permute", "unpermute", "grouped_gemm", "swiglu", "mxfp8")
 MIN_TRITON = (3, 6)
 
 _mode: str | None = None  # "interpret" | "native", once chosen in this process

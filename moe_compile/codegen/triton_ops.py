@@ -13,6 +13,9 @@ launches it makes for given (fake) arguments: lowering records them for ``Compil
                                     grouped GEMM (grad input)
     moe_triton::unpermute           invert order + unpermute (router-weighted, deterministic)
     moe_triton::unpermute_backward  unpermute backward
+    moe_triton::quantize_mx         MXFP8 quantise (kernels/mxfp8.py)
+    moe_triton::grouped_ffn_mx      MXFP8 grouped GEMM (tl.dot_scaled) → SwiGLU fused with quantise →
+                                    MXFP8 grouped GEMM; its backward stays on the emulated torch path
 
 Rows past the valid prefix of capacity-sized outputs are left unwritten (never read), as in moe::.
 """
@@ -102,6 +105,37 @@ def plan_grouped_ffn_backward(grad_out, recv, pre, counts, w_in, w_out, activati
             gg.plan_grouped_mm_wgrad(pre, recv, counts)]
 
 
+# -- MXFP8 (issue 3's kernels: quantise, SwiGLU fused with quantise, tl.dot_scaled grouped GEMM) ------
+
+
+def quantize_mx_impl(x, mode, block):
+    return _k("mxfp8").quantize(x, mode)
+
+
+def plan_quantize_mx(x, mode, block) -> list[LaunchPlan]:
+    return [_k("mxfp8").plan_quantize(x, mode)]
+
+
+def grouped_ffn_mx_impl(recv, counts, w_in, w_out, activation, gated, block, mode, dtype):
+    mx = _k("mxfp8")
+    pre = mx.grouped_gemm(recv, w_in, counts, dtype)
+    if gated and activation == "silu":
+        a = mx.swiglu_quantize(pre, mode)
+    else:  # other activations: torch computes them, the kernel quantises
+        from ..ops.activations import ffn_activation
+
+        a = mx.quantize(ffn_activation(pre, activation, gated), mode)
+    return mx.grouped_gemm(a, w_out, counts, dtype), pre
+
+
+def plan_grouped_ffn_mx(recv, counts, w_in, w_out, activation, gated, block, mode, dtype) -> list[LaunchPlan]:
+    mx = _k("mxfp8")
+    pre = recv.new_empty(recv.shape[0], w_in.shape[1], dtype=dtype)
+    fused = mx.plan_swiglu_quantize(pre, mode) if gated and activation == "silu" else mx.plan_quantize(pre, mode)
+    a = recv.new_empty(recv.shape[0], w_out.shape[2], dtype=torch.uint8)
+    return [mx.plan_grouped_gemm(recv, w_in, dtype), fused, mx.plan_grouped_gemm(a, w_out, dtype)]
+
+
 # -- registration: moe_triton::<name> with moe::<name>'s schema and fake kernel -----------------------
 
 IMPLS: dict[str, tuple[Callable, Callable[..., list[LaunchPlan]]]] = {
@@ -111,6 +145,8 @@ IMPLS: dict[str, tuple[Callable, Callable[..., list[LaunchPlan]]]] = {
     "grouped_ffn_backward": (grouped_ffn_backward_impl, plan_grouped_ffn_backward),
     "unpermute": (unpermute_impl, plan_unpermute),
     "unpermute_backward": (unpermute_backward_impl, plan_unpermute_backward),
+    "quantize_mx": (quantize_mx_impl, plan_quantize_mx),
+    "grouped_ffn_mx": (grouped_ffn_mx_impl, plan_grouped_ffn_mx),
 }
 
 

@@ -5,8 +5,10 @@ Tutorial shape: the @triton.jit kernels, their launchers, and the torch referenc
 (``moe_compile.mxfp8.quantize_packed`` and ``moe_compile.ops.mx.mx_grouped_mm``); tests/test_mxfp8.py
 compares them under the Triton interpreter on CPU.
 
-Import this module only after the interpreter decision is made (TRITON_INTERPRET is read when
-@triton.jit functions are created): ``moe_compile.codegen.kernels.mxfp8_kernels()`` does that.
+Like every kernel family it is imported through ``triton_mode.kernel_module("mxfp8")`` (or the
+``kernels`` package), which fixes the Triton mode first. Only builtins are used inside the kernels
+(``tl.reduce`` with triton's max combiner rather than ``tl.max``): torch imports triton before the
+interpreter can be chosen, and the standard library's jit functions then refuse to be interpreted.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ...mxfp8 import BLOCK, packed_width
+from ..kernel_cache import Config, LaunchPlan, make_spec
 
 # -- quantise ---------------------------------------------------------------------------------------
 
@@ -54,10 +57,10 @@ def _e4m3_bits(y):
 def _quantize_tile(x, RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 tile [BLOCK_M, BLOCK_K] → (E4M3 codes [BLOCK_M, BLOCK_K], E8M0 exponents [BLOCK_M, BLOCK_K/32])."""
     xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
-    amax = tl.max(tl.abs(xb), axis=2)
-    # tl.max does not propagate NaN (its maximum ignores NaN): a block with a NaN gets a NaN amax here,
-    # as torch.amax gives it, so the NaN convention (scale 255) holds.
-    has_nan = tl.max((xb != xb).to(tl.int32), axis=2) > 0
+    amax = tl.reduce(tl.abs(xb), 2, tl.standard._elementwise_max)
+    # max does not propagate NaN (triton's maximum ignores it): a block with a NaN gets a NaN amax
+    # here, as torch.amax gives it, so the NaN convention (scale 255) holds.
+    has_nan = tl.reduce((xb != xb).to(tl.int32), 2, tl.standard._elementwise_max) > 0
     amax = tl.where(has_nan, float("nan"), amax)
     if RCEIL:
         descale = amax / 448.0
@@ -164,7 +167,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K, G,
     g_end = 0
     for g in range(G):
         n_rows = tl.load(counts_ptr + g).to(tl.int32)
-        n_tiles = tl.cdiv(n_rows, BLOCK_M)
+        n_tiles = (n_rows + BLOCK_M - 1) // BLOCK_M
         hit = (tile >= tiles_before) & (tile < tiles_before + n_tiles)
         group = tl.where(hit, g, group)
         tile_start = tl.where(hit, row0 + (tile - tiles_before) * BLOCK_M, tile_start)
@@ -177,7 +180,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K, G,
     rmask = rows < g_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # builtin (tl.zeros is a stdlib jit fn)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ss = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -206,3 +209,32 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, out_dty
     _grouped_gemm_kernel[grid](a, b, c, counts, n, k, g_count, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return c
+
+
+# -- launch plans (for the kernel cache's inventory: CompiledMoE.kernels()) -------------------------
+
+
+def _plan(kernel: str, grid: tuple[int, ...], **static) -> LaunchPlan:
+    from ..triton_mode import interpreting
+
+    return LaunchPlan(make_spec("mxfp8", kernel, **static), (Config.of(BLOCK_M=64, BLOCK_K=64),),
+                      lambda _cfg: grid, interpreting())
+
+
+def plan_quantize(x: torch.Tensor, mode: str) -> LaunchPlan:
+    k = x.shape[-1]
+    rows = x.numel() // k
+    return _plan("_quantize_kernel", (triton.cdiv(rows, 64), triton.cdiv(k, 64)), rows=rows, k=k,
+                 dtype=x.dtype, mode=mode)
+
+
+def plan_swiglu_quantize(pre: torch.Tensor, mode: str) -> LaunchPlan:
+    h = pre.shape[-1] // 2
+    return _plan("_swiglu_quantize_kernel", (triton.cdiv(pre.shape[0], 64), triton.cdiv(h, 64)),
+                 rows=pre.shape[0], h=h, dtype=pre.dtype, mode=mode)
+
+
+def plan_grouped_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> LaunchPlan:
+    return _plan("_grouped_gemm_kernel", (triton.cdiv(a.shape[0], 64) + b.shape[0], triton.cdiv(b.shape[1], 64)),
+                 rows=a.shape[0], n=b.shape[1], k=a.shape[1] * BLOCK // (BLOCK + 1),
+                 num_local_experts=b.shape[0], out_dtype=out_dtype)

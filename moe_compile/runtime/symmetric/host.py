@@ -84,10 +84,12 @@ class HostShmHeap(SymmetricHeap):
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         paths = [os.path.join(SHM_DIR, f"{self.prefix}_{n}_{p}") for p in range(self.size)]
         mine = _map(paths[self.rank], nbytes, create=True)
-        dist.barrier(group=self.group)  # every segment exists
-        maps = [mine if p == self.rank else _map(paths[p], nbytes, create=False) for p in range(self.size)]
-        dist.barrier(group=self.group)  # every member mapped every segment
-        os.unlink(paths[self.rank])  # the name can go; mappings keep the memory alive
+        try:
+            dist.barrier(group=self.group)  # every segment exists
+            maps = [mine if p == self.rank else _map(paths[p], nbytes, create=False) for p in range(self.size)]
+            dist.barrier(group=self.group)  # every member mapped every segment
+        finally:
+            os.unlink(paths[self.rank])  # the name can go (mappings keep the memory alive), also on failure
         self._maps += maps
         self._bytes += nbytes
         views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes).view(dtype).view(shape) if nbytes
