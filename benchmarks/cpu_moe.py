@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    iters = 5 if args.quick else 20
-    layers = [layer_benchmark(1024, 256, 256, 16, 4, iters), layer_benchmark(4096, 512, 256, 64, 8, max(3, iters // 4))]
+    iters = 5 if args.quick else 60
+    layers = [layer_benchmark(1024, 256, 256, 16, 4, iters), layer_benchmark(4096, 512, 256, 64, 8, max(3, iters // 6))]
     steps = step_benchmark([1, 2, 4], 10 if args.quick else 30)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("\nMoE layer forward+backward (OLMoE block, fp32, one rank)")

@@ -36,20 +36,27 @@ def act_backward(name: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor
 def ffn_activation(pre: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
     """The expert FFN's hidden activation from the first GEMM's output: act(gate)·up (gated, pre =
     [gate | up]) or act(pre)."""
-    if gated:
-        g, u = pre.chunk(2, dim=-1)
-        return act_forward(activation, g) * u
-    return act_forward(activation, pre)
+    return ffn_activation_parts(pre, activation, gated)[0]
 
 
-def ffn_activation_backward(grad_a: torch.Tensor, pre: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
+def ffn_activation_parts(pre: torch.Tensor, activation: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(a, act(gate)) — the activation and, for gated FFNs, the activated gate its backward reuses."""
+    if not gated:
+        return act_forward(activation, pre), None
+    g, u = pre.chunk(2, dim=-1)
+    ag = act_forward(activation, g)
+    return ag * u, ag
+
+
+def ffn_activation_backward(grad_a: torch.Tensor, pre: torch.Tensor, activation: str, gated: bool,
+                            act_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient w.r.t. ``pre`` of ``ffn_activation``, as eager autograd computes it ([gate | up] side
-    by side, without a cat)."""
+    by side, without a cat); ``act_gate`` = act(gate) if already computed."""
     if not gated:
         return act_backward(activation, grad_a, pre)
     g, u = pre.chunk(2, dim=-1)
     h = g.shape[1]
     out = pre.new_empty(pre.shape)
     out[:, :h] = act_backward(activation, grad_a * u, g)
-    torch.mul(grad_a, act_forward(activation, g), out=out[:, h:])
+    torch.mul(grad_a, act_gate if act_gate is not None else act_forward(activation, g), out=out[:, h:])
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .activations import ffn_activation, ffn_activation_backward
+from .activations import ffn_activation, ffn_activation_backward, ffn_activation_parts
 from .grouped_mm import grouped_mm
 
 # -- permute ------------------------------------------------------------------------------------
@@ -175,8 +175,9 @@ def grouped_ffn_backward(
         return torch.empty_like(recv), torch.zeros_like(w_in), torch.zeros_like(w_out)
     go, x, p = grad_out[:valid], recv[:valid], pre[:valid]
     g_a = grouped_mm(go, w_out, counts)
-    g_w_out = grouped_mm(go.t(), ffn_activation(p, activation, gated), counts)
-    g_pre = ffn_activation_backward(g_a, p, activation, gated)
+    a, act_gate = ffn_activation_parts(p, activation, gated)
+    g_w_out = grouped_mm(go.t(), a, counts)
+    g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
     g_recv = _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
     g_w_in = grouped_mm(g_pre.t(), x, counts)
     return g_recv, g_w_in, g_w_out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..mxfp8 import dequantize_packed, packed_width, quantize_packed
-from .activations import ffn_activation, ffn_activation_backward
+from .activations import ffn_activation, ffn_activation_backward, ffn_activation_parts
 from .grouped_mm import grouped_mm
 
 
@@ -115,8 +115,9 @@ def grouped_ffn_backward_mx(
     go_p, p = grad_out[:valid], pre[:valid]
     go = dequantize_packed(go_p, d)  # high-precision operand of the weight-gradient GEMM
     g_a = mx_grouped_mm(go_p, w_out_t, counts, dtype)  # input-gradient GEMM in MXFP8 (along d)
-    g_w_out = grouped_mm(go.t(), ffn_activation(p, activation, gated).float(), counts)  # fp32 operands
-    g_pre = ffn_activation_backward(g_a, p, activation, gated)
+    a, act_gate = ffn_activation_parts(p, activation, gated)
+    g_w_out = grouped_mm(go.t(), a.float(), counts)  # fp32 operands
+    g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
     g_recv[:valid] = mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype)
     x = dequantize_packed(recv[:valid], d)
     g_w_in = grouped_mm(g_pre.float().t(), x, counts)
