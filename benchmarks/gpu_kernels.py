@@ -4,7 +4,8 @@ At OLMoE-like shapes (d=2048, h_e=1024, N=64 experts, K=8, a few thousand tokens
 every expert, so the receive buffer is the permuted input), bf16 unless stated:
 
 * grouped GEMMs: TFLOP/s of the Triton kernel vs torch's grouped mm on the same operands;
-* permute / unpermute-combine / SwiGLU: GB/s vs a device-to-device copy of the same bytes (the
+* MXFP8 grouped GEMM (``tl.dot_scaled`` on packed qdata–scale rows): TFLOP/s vs the bf16 grouped mm;
+* permute / unpermute-combine / SwiGLU / MXFP8 quantise: GB/s vs a device-to-device copy of the same bytes (the
   bandwidth ceiling), and the torch op's time for reference.
 
     python benchmarks/gpu_kernels.py [--tokens 4096] [--json out.json]
@@ -80,6 +81,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run(tokens: int, d: int, h: int, experts: int, top_k: int, device: str) -> list[dict]:
     from moe_compile.codegen.triton_mode import kernel_module, use_triton
+    from moe_compile.mxfp8 import dequantize_packed, packed_width, quantize_packed
 
     use_triton(device)
     rm, pm, um, gg, sw = (kernel_module(f) for f in ("route_map", "permute", "unpermute", "grouped_gemm", "swiglu"))
@@ -123,6 +125,7 @@ def run(tokens: int, d: int, h: int, experts: int, top_k: int, device: str) -> l
     base = bench(lambda: torch_gmm(xs, w_in.transpose(1, 2), counts))
     add("grouped GEMM up (bf16)", f"R={r} d={d} 2h={2 * h} L={experts}", ms, "TFLOP/s", flop_up,
         LAST_PATH[0], base, rel(pre, ref_pre), 2e-2)
+    up_path, up_ms = LAST_PATH[0], base
     xs32, w_in32 = xs.float(), w_in.float()
     err = rel(gg.grouped_mm(xs32, w_in32.transpose(1, 2), counts), torch_gmm(xs32, w_in32.transpose(1, 2), counts))
     ms = bench(lambda: gg.grouped_mm(xs32, w_in32.transpose(1, 2), counts))
@@ -136,6 +139,21 @@ def run(tokens: int, d: int, h: int, experts: int, top_k: int, device: str) -> l
     ms = bench(lambda: sw.swiglu(pre, counts, "silu", True))
     base = bench(lambda: F.silu(gate) * up)
     add("SwiGLU", f"R={r} h={h}", ms, "GB/s", 3 * r * h * esz, "F.silu(g)·u", base, rel(a, F.silu(gate) * up), 2e-2)
+
+    # MXFP8: quantise into packed qdata–scale rows (bit-exact with the torch reference), and the grouped
+    # GEMM on packed operands (tl.dot_scaled) against the bf16 grouped mm of the same shape
+    mx = kernel_module("mxfp8")
+    q = mx.quantize(xs)
+    ms = bench(lambda: mx.quantize(xs))
+    add("MXFP8 quantise (packed rows)", f"R={r} d={d}", ms, "GB/s", r * d * esz + r * packed_width(d),
+        "mxfp8.quantize_packed", bench(lambda: quantize_packed(xs)), float(not torch.equal(q, quantize_packed(xs))),
+        0.0)
+    w_in_q = quantize_packed(w_in)
+    ref_mx = torch_gmm(dequantize_packed(q, d), dequantize_packed(w_in_q, d).transpose(1, 2), counts).to(dt)
+    err = rel(mx.grouped_gemm(q, w_in_q, counts, dt), ref_mx)
+    ms = bench(lambda: mx.grouped_gemm(q, w_in_q, counts, dt))
+    add("MXFP8 grouped GEMM up (dot_scaled)", f"R={r} d={d} 2h={2 * h} L={experts}", ms, "TFLOP/s", flop_up,
+        "bf16 " + up_path, up_ms, err, 2e-2)
 
     # grouped GEMM, down projection with SwiGLU fused in its prologue vs torch SwiGLU + grouped mm
     flop_down = 2 * r * h * d

@@ -56,7 +56,7 @@ def transport_worker(rank: int, world: int, tokens: int, d: int, experts: int, t
             recv, _rc, layout = torch.ops.moe.dispatch(xs, counts, ctx, "bench", cap, world)
             back = torch.ops.moe.combine(recv, layout, ctx, "bench", rows)
             if kind == "symmetric":
-                torch.ops.moe.lease_release(ctx, "bench/dispatch.recv")
+                torch.ops.moe.lease_release(ctx, "bench/dispatch.recv", back)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a transfer is done when its slowest rank is
             if i >= 3:

@@ -131,6 +131,7 @@ def test_gpu_benchmark_smoke_run_and_no_gpu_message():
                            timeout=300)
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr
     assert "| grouped GEMM up (bf16) |" in smoke.stdout and "MISMATCH" not in smoke.stdout
+    assert "| MXFP8 quantise (packed rows) |" in smoke.stdout and "| MXFP8 grouped GEMM up (dot_scaled) |" in smoke.stdout
     if not torch.cuda.is_available():
         plain = subprocess.run([sys.executable, script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert plain.returncode == 0 and "no GPU" in plain.stdout, plain.stdout + plain.stderr

@@ -5,9 +5,9 @@
 An op missing from the table keeps its torch kernel (the router's few small ops; the transport ops,
 which move rows through the runtime's transport). Adding a kernel for a new op is one entry: register
 a ``moe_triton::`` op with the moe:: op's schema and fake kernel, then call
-:func:`register_triton_lowering` — e.g. an MXFP8 quantise op and its Triton kernel (issue 3):
+:func:`register_triton_lowering` — as ``triton_ops`` does for each of its ops, e.g. the MXFP8 quantise:
 
-    register_triton_lowering("mxfp8_quantize", "moe_triton::mxfp8_quantize", plan_mxfp8_quantize)
+    register_triton_lowering("quantize_mx", "moe_triton::quantize_mx", plan_quantize_mx)
 
 This module imports no kernels; the moe_triton:: ops (``triton_ops``) fill the table when lowering
 first needs it.

@@ -20,17 +20,22 @@ def act_forward(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown expert activation {name!r}; supported: {ACTIVATIONS}")
 
 
-def act_backward(name: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """d act(x)/dx · grad, with the same aten kernels eager autograd calls."""
+def act_backward(name: str, grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d act(x)/dx · grad, with the same aten kernels eager autograd calls; written into ``out`` (which
+    may be a strided view, e.g. one half of [gate | up]) when given."""
     if name == "silu":
-        return torch.ops.aten.silu_backward(grad, x)
-    if name == "gelu":
-        return torch.ops.aten.gelu_backward(grad, x)
-    if name == "gelu_tanh":
-        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-    if name == "relu":
-        return torch.ops.aten.threshold_backward(grad, F.relu(x), 0)
-    raise ValueError(f"unknown expert activation {name!r}; supported: {ACTIVATIONS}")
+        op, args, kw = torch.ops.aten.silu_backward, (grad, x), {}
+    elif name == "gelu":
+        op, args, kw = torch.ops.aten.gelu_backward, (grad, x), {}
+    elif name == "gelu_tanh":
+        op, args, kw = torch.ops.aten.gelu_backward, (grad, x), {"approximate": "tanh"}
+    elif name == "relu":
+        op, args, kw = torch.ops.aten.threshold_backward, (grad, F.relu(x), 0), {}
+    else:
+        raise ValueError(f"unknown expert activation {name!r}; supported: {ACTIVATIONS}")
+    if out is None:
+        return op.default(*args, **kw)
+    return op.grad_input(*args, **kw, grad_input=out)
 
 
 def ffn_activation(pre: torch.Tensor, activation: str, gated: bool) -> torch.Tensor:
@@ -57,6 +62,6 @@ def ffn_activation_backward(grad_a: torch.Tensor, pre: torch.Tensor, activation:
     g, u = pre.chunk(2, dim=-1)
     h = g.shape[1]
     out = pre.new_empty(pre.shape)
-    out[:, :h] = act_backward(activation, grad_a * u, g)
+    act_backward(activation, grad_a * u, g, out=out[:, :h])
     torch.mul(grad_a, act_gate if act_gate is not None else act_forward(activation, g), out=out[:, h:])
     return out
