@@ -84,7 +84,7 @@ def run(tokens: int, d: int, h: int, experts: int, top_k: int, device: str) -> l
     from moe_compile.mxfp8 import dequantize_packed, packed_width, quantize_packed
 
     use_triton(device)
-    rm, pm, um, gg, sw = (kernel_module(f) for f in ("route_map", "permute", "unpermute", "grouped_gemm", "swiglu"))
+    pm, um, gg, sw, mx = (kernel_module(f) for f in ("permute", "unpermute", "grouped_gemm", "swiglu", "mxfp8"))
     bench = timer(device)
     dt = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
@@ -142,7 +142,6 @@ def run(tokens: int, d: int, h: int, experts: int, top_k: int, device: str) -> l
 
     # MXFP8: quantise into packed qdata–scale rows (bit-exact with the torch reference), and the grouped
     # GEMM on packed operands (tl.dot_scaled) against the bf16 grouped mm of the same shape
-    mx = kernel_module("mxfp8")
     q = mx.quantize(xs)
     ms = bench(lambda: mx.quantize(xs))
     add("MXFP8 quantise (packed rows)", f"R={r} d={d}", ms, "GB/s", r * d * esz + r * packed_width(d),

@@ -104,18 +104,18 @@ def make_transport(spec: MeshSpec, groups, opts: CompileOptions, stats: RuntimeS
     if groups is None or spec.ep_mp == 1:
         return LocalTransport(stats), None, "local"
     kind = opts.transport
-    planning = dist.get_backend(groups.ep_mp) == "fake"  # explain: no real ranks, no hosts to compare
-    if kind in ("auto", "symmetric") and not planning:
+    # CPU ranks share memory only on one host (GPUs reach peers through NVSHMEM); explain plans on a
+    # fake process group, with no hosts to compare
+    hosts: list = []
+    if kind in ("auto", "symmetric") and groups.device_type == "cpu" and dist.get_backend(groups.ep_mp) != "fake":
         hosts = [None] * spec.ep_mp
         dist.all_gather_object(hosts, socket.gethostname(), group=groups.ep_mp)
-        one_host = len(set(hosts)) == 1
-        if kind == "symmetric" and not one_host and groups.device_type == "cpu":
-            raise OptionError(f"transport='symmetric' on CPU ranks needs the EP-MP group on one host; its ranks "
-                              f"run on {sorted(set(hosts))}")
-        if kind == "auto":
-            kind = "symmetric" if one_host and groups.device_type == "cpu" else "all_to_all"
-    elif kind == "auto":
-        kind = "symmetric" if groups.device_type == "cpu" else "all_to_all"
+    one_host = len(set(hosts)) <= 1
+    if kind == "symmetric" and not one_host:
+        raise OptionError(f"transport='symmetric' on CPU ranks needs the EP-MP group on one host; its ranks "
+                          f"run on {sorted(set(hosts))}")
+    if kind == "auto":
+        kind = "symmetric" if one_host and groups.device_type == "cpu" else "all_to_all"
     if kind == "symmetric":
         heap = make_heap(groups.ep_mp, groups.device_type)
         leases = LeaseRuntime(heap, groups.ep_mp, poison=opts.lease_debug)

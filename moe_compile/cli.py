@@ -81,8 +81,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = spawn_ranks(train_rank, args.ranks, cfg, timeout=24 * 3600)[0]
     except RankFailure as e:
         print(str(e), file=sys.stderr)
-        last = next((ln for ln in reversed(str(e).splitlines()) if ln.strip()), "") if not e.failures else \
-            next(ln for ln in reversed(e.failures[0][1].splitlines()) if ln.strip())
+        text = e.failures[0][1] if e.failures else str(e)
+        last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), str(e))
         print(f"moe-compile train failed: {last}", file=sys.stderr)
         return 1
     print_summary(summary)

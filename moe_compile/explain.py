@@ -175,6 +175,7 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
+    cm = None
     try:
         cm = moe_compile(net, spec, capacity_factor=capacity_factor)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
@@ -189,9 +190,10 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
 
         result.files = write_outputs(cm, led, out, name=name, rank=rank, seq_len=seq_len, batch_size=batch_size,
                                      png=png, max_nodes=max_nodes, published=_published_note(hf))
-        cm.close()
         return result
     finally:
+        if cm is not None:
+            cm.close()
         dist.destroy_process_group()
 
 

@@ -13,6 +13,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Transport call → its payload's kind (the suffix of the payload name); one table for the planner
+# (plan_leases) and the runtime (SymmetricTransport), so their names cannot drift apart
+PAYLOAD_KINDS = {
+    "dispatch": "dispatch.recv",  # leased until its last (backward) reader
+    "combine": "combine.src",  # expert outputs exposed for GET, within the op
+    "combine_backward": "combine_backward.recv",  # output-gradient rows, until grouped_ffn_backward
+    "dispatch_backward": "dispatch_backward.src",  # input-gradient rows exposed for GET, within the op
+    "counts": "counts",  # requested-count matrix exchange, within the op
+}
+
+
+def payload_name(block: str, what: str) -> str:
+    return f"{block}/{PAYLOAD_KINDS[what]}"
+
 
 @dataclass(frozen=True)
 class Payload:
@@ -27,12 +41,8 @@ class Payload:
     leased: bool  # a backward consumer reads it: held by a lease until then
     slot: int  # slot index in its family's pool
     stage: int = 0  # pipeline stage
-    parts: tuple[str, ...] = ()  # components allocated and released together (qdata, scale)
     readers: tuple[tuple[str, str], ...] = ()  # (moe op, block) of every consumer
     released_by: tuple[str, str] | None = None  # release after this (moe op, block); None: within its op
-
-    def live_at(self, pos: int) -> bool:
-        return self.acquire <= pos < self.release
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,3 @@ class LeasePlan:
         """Bytes of symmetric memory the pools allocate (slots × slot size, summed over pools)."""
         keys = {(p.stage, p.family) for p in self.payloads}
         return sum(self.pool_slots(s, f) * self.slot_bytes[(s, f)] for s, f in keys)
-
-    def live(self, pos: int, stage: int | None = None, family: str | None = None) -> list[Payload]:
-        return [p for p in self.payloads if p.live_at(pos) and (stage is None or p.stage == stage)
-                and (family is None or p.family == family)]

@@ -17,7 +17,7 @@ MXFP8_SCALE_MODES = ("rceil", "floor")
 class CompileOptions:
     capacity_factor: float | None = None  # None: dropless; else rank-level capacity with tail drop
     transport: str = "auto"  # how dispatch/combine move rows: all_to_all | symmetric | auto (symmetric
-    #                          where the EP group shares a host / has NVSHMEM, else all_to_all)
+    #                          on CPU ranks of one host, else all_to_all; symmetric on GPUs: NVSHMEM)
     lease_sharing: bool = True  # False: a fixed per-block cache per symmetric payload (no slot reuse)
     lease_debug: bool = False  # poison released symmetric slots (NaN) so stale reads show
     codegen: str = "auto"  # which kernels run the partitioned graph: auto (Triton on GPU, torch ops on

@@ -28,16 +28,21 @@ TOL = 1e-5
 
 
 def test_codegen_option_resolution(monkeypatch):
-    monkeypatch.setattr(triton_mode, "_mode", "interpret")  # whatever this process chose stays untouched
+    monkeypatch.setattr(triton_mode, "_mode", "native")  # whatever this process chose stays untouched
     assert triton_mode.resolve_codegen("torch", "cuda") == "torch"
     assert triton_mode.resolve_codegen("auto", "cpu") == "torch"  # CPU default: torch ops
     assert triton_mode.resolve_codegen("auto", "cuda") == "triton"  # GPU default (triton is a test extra)
     with pytest.raises(OptionError, match="codegen='cuda'"):
         CompileOptions(codegen="cuda")
-    # the interpreter is a per-process decision: no silent switch once native kernels were chosen
-    monkeypatch.setattr(triton_mode, "_mode", "native")
-    with pytest.raises(OptionError, match="interpreter"):
+    # the interpreter is a per-process decision: no silent switch either way
+    with pytest.raises(OptionError, match="needs the Triton interpreter"):
         triton_mode.use_triton("cpu")
+    monkeypatch.setattr(triton_mode, "_mode", "interpret")
+    monkeypatch.setattr(triton_mode, "_user_interpret", False)
+    with pytest.raises(OptionError, match="needs native Triton kernels"):
+        triton_mode.use_triton("cuda")
+    monkeypatch.setattr(triton_mode, "_user_interpret", True)  # TRITON_INTERPRET=1 by the user: both interpret
+    assert triton_mode.use_triton("cuda") == "interpret"
     monkeypatch.setattr(triton_mode, "triton_available", lambda: False)
     with pytest.raises(OptionError, match="needs the triton package"):
         triton_mode.resolve_codegen("triton", "cpu")
@@ -150,9 +155,12 @@ def mx_codegen_worker(rank: int, world: int) -> dict:
                    if n.op == "call_function" and op_namespace(n.target) == "moe_triton"}
             out["ops"] = ops
             out["kernels"] = sorted({k["name"] for per in cm.kernels().values() for k in per})
+            out["quantize_activations"] = {k["specialisation"]["activation"] for per in cm.kernels().values()
+                                           for k in per if k["name"] == "_quantize_kernel"}
     (lt, gt), (lx, gx) = out["torch"], out["triton"]
     return {"loss": abs(lt - lx) / abs(lt), "grad": max(rel_err(gx[k], gt[k]) for k in gt), "ops": out["ops"],
-            "kernels": out["kernels"]}
+            "kernels": out["kernels"],
+            "quantize_activations": out["quantize_activations"]}
 
 
 @pytest.mark.slow
@@ -161,7 +169,8 @@ def test_mxfp8_experts_on_triton_kernels():
 
     r = spawn_ranks(mx_codegen_worker, 1)[0]
     assert {"quantize_mx", "grouped_ffn_mx"} <= r["ops"], r
-    assert {"_quantize_kernel", "_swiglu_quantize_kernel", "_grouped_gemm_kernel"} <= set(r["kernels"]), r
+    assert {"_quantize_kernel", "_grouped_gemm_kernel"} <= set(r["kernels"]), r
+    assert {"none", "silu"} <= r["quantize_activations"], r  # dispatch rows plain, the activation fused
     # The same MXFP8 values meet the same products; silu/exp in the fused kernel can differ from torch's
     # by an ulp, which can move an activation across one E4M3 rounding step — hence a loose bound.
     assert r["loss"] <= 1e-3 and r["grad"] <= 5e-2, r

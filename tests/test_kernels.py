@@ -129,9 +129,11 @@ def test_grouped_mm_over_expert_offsets(K, counts, dtype):
     a = torch.randn(cap, k, generator=_gen(1)).to(DEVICE, dtype)
     b = torch.randn(len(counts), n, k, generator=_gen(2)).to(DEVICE, dtype).transpose(1, 2)  # a weight view
     v = sum(counts)
-    got = gg.grouped_mm(a, b, c)[:v]
+    full = gg.grouped_mm(a, b, c)
+    assert full.shape == (cap, n) and full.dtype == dtype  # no rows: a capacity-shaped output all the same
     if v == 0:
-        return
+        return  # rows past the valid prefix are unwritten by contract: nothing more to compare
+    got = full[:v]
     ref = gg.grouped_mm_reference(a, b, c)
     # bf16 under the interpreter exercises the upcast of tl.dot operands (interpreter bug: bf16 dot is wrong)
     assert rel_err(got.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)

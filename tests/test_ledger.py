@@ -76,7 +76,7 @@ def test_parameter_counts_exact(name):
     assert led["P_total"] == total
     assert led["P_active"] == active
     assert led["P_router"] == routers
-    assert led["P_dense"] + led["P_E"] == total
+    assert led["P_E"] == sum(p.numel() for n, p in model.named_parameters() if re.search(r"(^|\.)experts\.", n))
     assert led["alpha_E"] == pytest.approx(led.values["K"] / led.values["N"])
     assert led["Gamma_capacity"] == pytest.approx(total / active)
     assert led["P_local"] == sum(p.numel() for p in cm.model.parameters())  # one rank holds everything

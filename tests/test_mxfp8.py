@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+import torchao.prototype.mx_formats.mx_tensor as torchao_mx  # the independent MXFP8 reference (test extra)
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
 
 from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import MoECompileError
@@ -25,9 +27,6 @@ from moe_compile.ops.mx import mx_grouped_mm
 
 from .common import build_model, make_batches, rel_err
 from .harness import run_ranks
-
-torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
-from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 
 TAO_MODES = {"rceil": ScaleCalculationMode.RCEIL, "floor": ScaleCalculationMode.FLOOR}
 
@@ -152,13 +151,18 @@ def kernel_worker(rank, world):
     for mode in ("rceil", "floor"):
         got, ref = kernels.quantize(x, mode), quantize_packed(x, mode)
         out[mode] = {"scales": torch.equal(got[:, 128:], ref[:, 128:]), "data": torch.equal(got[:, :128], ref[:, :128])}
-    pre = torch.randn(70, 192, generator=g) * 2
-    sw = kernels.swiglu_quantize(pre)
-    ref = quantize_packed(torch.nn.functional.silu(pre[:, :96]) * pre[:, 96:])
-    # silu in fp32 on both sides; exp may differ in the last ulp, which can move a value across an
-    # E4M3 rounding boundary: compare dequantised values, and require most codes identical
-    out["swiglu"] = (rel_err(dequantize_packed(sw, 96), dequantize_packed(ref, 96)),
-                     (sw != ref).float().mean().item())
+    # the activation fused into the quantise, vs quantising the torch activation (ops.activations):
+    # exp may differ in the last fp32 ulp, which can move a value across an E4M3 (or bf16) rounding
+    # boundary: compare dequantised values, and require most codes identical
+    from moe_compile.ops.activations import ffn_activation
+
+    out["act"] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for act, gated in (("silu", True), ("gelu", False)):
+            pre = (torch.randn(70, 192 if gated else 96, generator=g) * 2).to(dtype)
+            got, ref = kernels.quantize(pre, "rceil", act, gated), quantize_packed(ffn_activation(pre, act, gated))
+            out["act"][(str(dtype), act)] = (rel_err(dequantize_packed(got, 96), dequantize_packed(ref, 96)),
+                                              (got != ref).float().mean().item())
     gemm = []
     for counts in ([10, 0, 50, 40], [0, 0, 100, 0], [65, 63, 1, 0]):  # empty, one expert has all, partial tiles
         c = torch.tensor(counts)
@@ -181,8 +185,9 @@ def test_triton_kernels_under_interpreter():
     for mode in ("rceil", "floor"):
         assert r[mode]["scales"] and r[mode]["data"], r
     assert max(r["gemm"]) <= 1e-6, r["gemm"]  # same products, fp32 accumulation order only
-    err, frac = r["swiglu"]
-    assert err <= 0.07 and frac <= 0.01, r["swiglu"]  # one E4M3 step at most, on few elements
+    assert len(r["act"]) == 4
+    for key, (err, frac) in r["act"].items():
+        assert err <= 0.07 and frac <= 0.01, (key, err, frac)  # one E4M3 step at most, on few elements
 
 
 # -- expert parallelism with MXFP8 payloads --------------------------------------------------------
@@ -301,6 +306,23 @@ def test_fp8_weight_store_follows_an_in_place_optimizer():
         assert torch.equal(s.caches["fwd"], quantize_packed(s.param.detach()))
 
 
+def test_load_state_dict_refreshes_caches_under_an_fp32_main_optimizer():
+    """cm.load_state_dict after an OLMoDDPOptimizer attached its main weights: the caches follow the
+    loaded weights, not the main weights the stores held before."""
+    from moe_compile.train.optimizer import OLMoDDPOptimizer
+
+    cm = moe_compile(_mx_model().to(torch.bfloat16), mxfp8="experts")
+    OLMoDDPOptimizer(cm, lr=1e-3)
+    stores = cm.compute_weights()
+    other = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v
+             for k, v in cm.model.state_dict().items()}  # different weights, same names and shapes
+    cm.load_state_dict(other)
+    assert stores
+    for s in stores:
+        assert torch.equal(s.param.detach(), other[s.name])
+        assert torch.equal(s.caches["fwd"], quantize_packed(other[s.name].float())), s.name
+
+
 def test_mxfp8_needs_multiples_of_32():
     with pytest.raises(MoECompileError, match=r"layers.0.mlp.experts.gate_up_proj .* size 40 .* multiple of 32"):
         moe_compile(build_model("tiny", d_model=40, n_heads=4), mxfp8="experts")
@@ -325,3 +347,28 @@ def test_dense_linears_in_mxfp8():
         assert ops["mx_linear"] == 2 * linears  # forward + input gradient of each
         grads = cm.full_grads()
         assert max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters()) < 0.3  # MXFP8, not garbage
+
+
+def test_biased_dense_linear_reads_only_its_caches():
+    """A biased linear (addmm in the graph) runs as mx_linear + bias too: after release_anchors its
+    parameter holds no values, so a read that bypassed the caches would compute with zeros."""
+    from collections import Counter
+
+    from moe_compile.ops import op_name
+    from moe_compile.train.optimizer import OLMoDDPOptimizer
+
+    b = make_batches(1)[0]
+    base = build_model("tiny_shared")
+    proj = base.layers[0].attn.proj
+    biased = torch.nn.Linear(64, 64, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(proj.weight * 50)  # large enough that reading zeros would move the loss
+        biased.bias.normal_()
+    base.layers[0].attn.proj = biased
+    cm = moe_compile(base, mxfp8="all")
+    opt = OLMoDDPOptimizer(cm, lr=0.0)
+    before = cm(input_ids=b, labels=b).loss
+    ops = Counter(op_name(n.target) for n in cm.graphs()["forward"].graph.nodes)
+    assert ops["mx_linear"] == len(cm.program.dense_weight_stores) and ops["addmm"] == 0
+    opt.release_anchors()
+    assert torch.equal(cm(input_ids=b, labels=b).loss, before)

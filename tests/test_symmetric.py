@@ -59,7 +59,7 @@ def parity_worker(rank, world, cases):
         res[name] = {
             "transport": cms.program.transport,
             "bitwise": torch.equal(la, ls) and all(torch.equal(ga[k], gs[k]) for k in ga) and torch.equal(ia, is_),
-            "ref_err": max(rel_err(gs[k] / 2, ref_grads[k]) for k in gs) if ref_grads is not None else 0.0,
+            "ref_err": max(rel_err(gs[k] / 2, ref_grads[k]) for k in gs) if ref_grads is not None else None,
             "plan_high_water": dict(plan.high_water),
             "observed_high_water": dict(rt.observed_high_water),
             "leased": sorted(p.name for p in plan.payloads if p.leased),
@@ -71,11 +71,12 @@ def parity_worker(rank, world, cases):
 
 
 def _check_parity(results, layers=3):
+    assert any(r["ref_err"] is not None for per_rank in results for r in per_rank.values())  # an fp32 case ran
     for per_rank in results:
         for name, r in per_rank.items():
             assert r["transport"] == "symmetric"
             assert r["bitwise"], (name, r)
-            assert r["ref_err"] <= 1e-5, (name, r)
+            assert r["ref_err"] is None or r["ref_err"] <= 1e-5, (name, r)  # None: bf16, bitwise vs a2a only
             assert r["plan_high_water"] == r["observed_high_water"], (name, r)
             assert r["plan_high_water"][(0, "lease")] == layers  # every layer's receive rows wait for backward
             assert len(r["leased"]) == layers and all(n.endswith("/dispatch.recv") for n in r["leased"])
@@ -201,7 +202,7 @@ def guard_worker(rank, world):
     # a plan that asks the frozen pool for a slot it was not created with
     bigger = LeasePlan((Payload("blk/dispatch.recv", "blk", "lease", (4, 8), "torch.float32", 128, 0, 5, True, 3),),
                        6, True, {(0, "lease"): 4}, {(0, "lease"): 128})
-    rt.plans[rt.active] = bigger
+    rt.plans[rt.active], rt._by_name[rt.active] = bigger, {p.name: p for p in bigger.payloads}  # test-only swap
     try:
         rt.acquire(pay.name)
     except RuntimeFault as e:

@@ -47,13 +47,11 @@ def elide_local_transport(gm: fx.GraphModule, ctx: PassContext) -> int:
                 g.erase_node(u)
             g.erase_node(n)
             done += 1
-        elif name in ("combine", "dispatch_backward", "combine_backward"):
-            src = n.args[0]
-            rows = op_arg(n, "capacity") if name == "combine_backward" else op_arg(n, "num_rows")
-            if ctx.program.ep_size == 1 and rows == src.meta["val"].shape[0]:
-                n.replace_all_uses_with(src)
-                g.erase_node(n)
-                done += 1
+        elif name in ("combine", "dispatch_backward", "combine_backward") and _local_dropless(
+                n, ctx, "capacity" if name == "combine_backward" else "num_rows", n.args[0]):
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
+            done += 1
     if done:
         g.lint()
         gm.recompile()
@@ -98,7 +96,7 @@ def place_lease_ops(gm: fx.GraphModule, ctx: PassContext) -> int:
     return placed
 
 
-def lower_to_triton(gm: fx.GraphModule, ctx: PassContext, kind: str) -> list[tuple[str, str, list]]:
+def lower_to_triton(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str, list]]:
     """Swap each moe:: node that has a Triton lowering for its moe_triton:: twin; returns
     (block, op, launch plans) per swapped node."""
     from contextlib import nullcontext
@@ -148,7 +146,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext, kind: str) -> fx.GraphModule:
     gm.meta["moe_elided_transport"] = elide_local_transport(gm, ctx)
     gm.meta["moe_lease_ops"] = place_lease_ops(gm, ctx)
     if prog.codegen == "triton":
-        records = lower_to_triton(gm, ctx, kind)
+        records = lower_to_triton(gm, ctx)
         prog.kernel_plans[kind] = records
         if prog.options.debug_dir:
             dump_kernels(records, kind, prog.options.debug_dir)

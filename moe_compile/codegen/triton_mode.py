@@ -28,6 +28,7 @@ FAMILIES = ("route_map", "permute", "unpermute", "grouped_gemm", "swiglu", "mxfp
 MIN_TRITON = (3, 6)
 
 _mode: str | None = None  # "interpret" | "native", once chosen in this process
+_user_interpret = False  # TRITON_INTERPRET was set by the user: interpret every device's tensors
 
 
 def triton_available() -> bool:
@@ -60,22 +61,28 @@ def resolve_codegen(requested: str, device_type: str) -> str:
 def use_triton(device_type: str) -> str:
     """Fix this process's Triton mode for tensors on ``device_type``: the interpreter for CPU tensors,
     native kernels for CUDA tensors. Returns the mode."""
-    global _mode
+    global _mode, _user_interpret
     want = "native" if device_type == "cuda" else "interpret"
     if device_type not in ("cpu", "cuda"):
         raise OptionError(f"codegen='triton' runs on cuda (kernels) or cpu (interpreter) tensors, not {device_type!r}")
     if _mode is None:
+        if triton_version() < MIN_TRITON:
+            raise OptionError(f"codegen='triton' needs triton >= {'.'.join(map(str, MIN_TRITON))}; "
+                              f"this process has {'.'.join(map(str, triton_version()))}")
         env_interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         if want == "interpret" and not env_interpret:
             os.environ["TRITON_INTERPRET"] = "1"  # read by triton.jit when the kernel modules load
         _mode = "interpret" if (want == "interpret" or env_interpret) else "native"
-        if triton_version() < MIN_TRITON:
-            raise OptionError(f"codegen='triton' needs triton >= {'.'.join(map(str, MIN_TRITON))}; "
-                              f"this process has {'.'.join(map(str, triton_version()))}")
+        _user_interpret = env_interpret
     if want == "interpret" and _mode != "interpret":
         raise OptionError(
             "codegen='triton' on CPU tensors needs the Triton interpreter, but this process already built "
             "native Triton kernels; compile CPU and GPU programs in separate processes")
+    if want == "native" and _mode == "interpret" and not _user_interpret:
+        raise OptionError(
+            "codegen='triton' on CUDA tensors needs native Triton kernels, but this process already chose the "
+            "interpreter for CPU tensors; compile CPU and GPU programs in separate processes (or set "
+            "TRITON_INTERPRET=1 to interpret both)")
     return _mode
 
 

@@ -119,21 +119,16 @@ def plan_quantize_mx(x, mode, block) -> list[LaunchPlan]:
 def grouped_ffn_mx_impl(recv, counts, w_in, w_out, activation, gated, block, mode, dtype):
     mx = _k("mxfp8")
     pre = mx.grouped_gemm(recv, w_in, counts, dtype)
-    if gated and activation == "silu":
-        a = mx.swiglu_quantize(pre, mode)
-    else:  # other activations: torch computes them, the kernel quantises
-        from ..ops.activations import ffn_activation
-
-        a = mx.quantize(ffn_activation(pre, activation, gated), mode)
+    a = mx.quantize(pre, mode, activation, gated)  # the activation fused into the quantise
     return mx.grouped_gemm(a, w_out, counts, dtype), pre
 
 
 def plan_grouped_ffn_mx(recv, counts, w_in, w_out, activation, gated, block, mode, dtype) -> list[LaunchPlan]:
     mx = _k("mxfp8")
     pre = recv.new_empty(recv.shape[0], w_in.shape[1], dtype=dtype)
-    fused = mx.plan_swiglu_quantize(pre, mode) if gated and activation == "silu" else mx.plan_quantize(pre, mode)
     a = recv.new_empty(recv.shape[0], w_out.shape[2], dtype=torch.uint8)
-    return [mx.plan_grouped_gemm(recv, w_in, dtype), fused, mx.plan_grouped_gemm(a, w_out, dtype)]
+    return [mx.plan_grouped_gemm(recv, w_in, dtype), mx.plan_quantize(pre, mode, activation, gated),
+            mx.plan_grouped_gemm(a, w_out, dtype)]
 
 
 # -- registration: moe_triton::<name> with moe::<name>'s schema and fake kernel -----------------------

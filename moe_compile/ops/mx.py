@@ -19,6 +19,7 @@ import torch
 
 from ..mxfp8 import dequantize_packed, packed_width, quantize_packed
 from .activations import ffn_activation, ffn_activation_backward, ffn_activation_parts
+from .experts import _pad_rows
 from .grouped_mm import grouped_mm
 
 
@@ -50,7 +51,7 @@ def _(x, mode, block):
 def weight_cache(w: torch.Tensor, ctx: int, block: str, which: str, orientation: str) -> torch.Tensor:
     from ..runtime import get_context
 
-    return get_context(ctx).weight_store(block, which).cache(orientation).clone()
+    return get_context(ctx).weight_store(block, which).cache(orientation)  # refreshes assign, never write in place
 
 
 @weight_cache.register_fake
@@ -74,15 +75,12 @@ def grouped_ffn_mx(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cap, d, f = recv.shape[0], _k(recv.shape[1]), w_in.shape[1]
-    out = recv.new_empty(cap, d, dtype=dtype)
-    pre = recv.new_empty(cap, f, dtype=dtype)
     valid = int(counts.sum())
-    if valid:
-        p = mx_grouped_mm(recv[:valid], w_in, counts, dtype)
-        a = ffn_activation(p, activation, gated)
-        out[:valid] = mx_grouped_mm(quantize_packed(a, mode), w_out, counts, dtype)
-        pre[:valid] = p
-    return out, pre
+    if not valid:
+        return recv.new_empty(cap, d, dtype=dtype), recv.new_empty(cap, f, dtype=dtype)
+    p = mx_grouped_mm(recv[:valid], w_in, counts, dtype)
+    out = mx_grouped_mm(quantize_packed(ffn_activation(p, activation, gated), mode), w_out, counts, dtype)
+    return _pad_rows(out, cap), _pad_rows(p, cap)
 
 
 @grouped_ffn_mx.register_fake
@@ -108,17 +106,16 @@ def grouped_ffn_backward_mx(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cap, d = recv.shape[0], _k(recv.shape[1])
     dtype = pre.dtype
-    g_recv = pre.new_empty(cap, d)
     valid = int(counts.sum())
     if not valid:
-        return g_recv, torch.zeros_like(w_in), torch.zeros_like(w_out)
+        return pre.new_empty(cap, d), torch.zeros_like(w_in), torch.zeros_like(w_out)
     go_p, p = grad_out[:valid], pre[:valid]
     go = dequantize_packed(go_p, d)  # high-precision operand of the weight-gradient GEMM
-    g_a = mx_grouped_mm(go_p, w_out_t, counts, dtype)  # input-gradient GEMM in MXFP8 (along d)
+    g_a = grouped_mm(go, dequantize_packed(w_out_t, d).transpose(-2, -1), counts).to(dtype)  # MXFP8 GEMM (along d)
     a, act_gate = ffn_activation_parts(p, activation, gated)
     g_w_out = grouped_mm(go.t(), a.float(), counts)  # fp32 operands
     g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
-    g_recv[:valid] = mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype)
+    g_recv = _pad_rows(mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype), cap)
     x = dequantize_packed(recv[:valid], d)
     g_w_in = grouped_mm(g_pre.float().t(), x, counts)
     return g_recv, g_w_in.to(w_in.dtype), g_w_out.to(w_out.dtype)

@@ -28,11 +28,9 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..ir import Stage
-from ..ops import op_name
 from .base import PassContext, moe_nodes, moe_pass, op_arg, tag_moe_nodes
 
 moe = torch.ops.moe
-MODES = (None, "experts", "experts+shared", "all")
 
 
 def _by_block(gm: fx.GraphModule, name: str) -> dict[str, fx.Node]:
@@ -98,7 +96,7 @@ def apply_mxfp8(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if sel in ("experts+shared", "all"):
         from .mxfp8_dense import quantize_dense_linears
 
-        n += quantize_dense_linears(gm, ctx, shared_only=sel == "experts+shared")
+        n += quantize_dense_linears(gm, ctx)
     if n:
         gm.graph.lint()
         gm.recompile()
@@ -112,6 +110,3 @@ def apply_mxfp8(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 def mxfp8_casts(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return apply_mxfp8(gm, ctx)
 
-
-def is_cast(node: fx.Node) -> bool:
-    return node.op == "call_function" and op_name(node.target) in ("quantize_mx", "weight_cache")

@@ -5,7 +5,9 @@ A linear y = x·Wᵀ reaches the joint graph as ``mm(x, t(W))`` (forward) and ``
 high-precision. Following the operand back through transposes/views to the weight placeholder gives
 the orientation: an odd number of transposes is the forward GEMM (cache "fwd", W along ``in``), an
 even number the input-gradient GEMM (cache "t", Wᵀ along ``out``). Each becomes
-``mx_linear(a, weight_cache(W))``.
+``mx_linear(a, weight_cache(W))``; a biased linear's ``addmm(b, x, t(W))`` becomes
+``mx_linear(x, weight_cache(W)) + b``. A selected weight read any other way is an error: once its
+anchor is released the parameter holds no values, so every read must go through its caches.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..errors import OptionError
 from .base import PassContext
 
 aten = torch.ops.aten
@@ -30,7 +33,7 @@ def weight_source(node: fx.Node) -> tuple[fx.Node, int] | None:
     return (node, flips) if node.op == "placeholder" else None
 
 
-def quantize_dense_linears(gm: fx.GraphModule, ctx: PassContext, shared_only: bool) -> int:
+def quantize_dense_linears(gm: fx.GraphModule, ctx: PassContext) -> int:
     prog = ctx.program
     names = ctx.input_names  # placeholder index → parameter name (None for data inputs)
     stores = prog.dense_weight_stores  # parameter name → FP8WeightStore, the eligible weights
@@ -40,9 +43,11 @@ def quantize_dense_linears(gm: fx.GraphModule, ctx: PassContext, shared_only: bo
     g = gm.graph
     done = 0
     for n in list(g.nodes):
-        if n.op != "call_function" or n.target is not aten.mm.default:
+        biased = n.op == "call_function" and n.target is aten.addmm.default and not n.kwargs  # beta = alpha = 1
+        if n.op != "call_function" or not (n.target is aten.mm.default or biased):
             continue
-        src = weight_source(n.args[1])
+        x, w_view = n.args[1:3] if biased else n.args[:2]
+        src = weight_source(w_view)
         if src is None or src[0] not in name_of:
             continue
         w, flips = src
@@ -50,9 +55,25 @@ def quantize_dense_linears(gm: fx.GraphModule, ctx: PassContext, shared_only: bo
         with g.inserting_before(n):
             cache = g.call_function(torch.ops.moe.weight_cache.default,
                                     (w, prog.ctx_id, pname, "w", "fwd" if flips % 2 else "t"))
-            mm = g.call_function(torch.ops.moe.mx_linear.default,
-                                 (n.args[0], cache, mode, n.meta["val"].dtype, pname))
-        n.replace_all_uses_with(mm)
+            out = g.call_function(torch.ops.moe.mx_linear.default, (x, cache, mode, n.meta["val"].dtype, pname))
+            if biased:
+                out = g.call_function(aten.add.Tensor, (out, n.args[0]))
+        n.replace_all_uses_with(out)
         g.erase_node(n)
         done += 1
+    for w, pname in name_of.items():
+        _check_reads_through_caches(w, pname, prog.options.mxfp8)
     return done
+
+
+def _check_reads_through_caches(node: fx.Node, pname: str, selection: str) -> None:
+    """Every live read of a selected weight is a weight_cache (views without users are dead)."""
+    for u in node.users:
+        if u.op == "call_function" and u.target is torch.ops.moe.weight_cache.default:
+            continue
+        if u.op == "call_function" and u.target in _VIEWS:
+            _check_reads_through_caches(u, pname, selection)
+            continue
+        raise OptionError(f"mxfp8={selection!r}: dense weight {pname} is read by {u.format_node()} besides its "
+                          "linear's matmuls; MXFP8 caches replace only those reads (choose a narrower mxfp8 "
+                          "selection, or keep this weight out of nn.Linear)")

@@ -21,11 +21,11 @@ JOINT_PASSES: list[MoEPass] = [mxfp8_casts, plan_leases]
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[MoEPass], debug_dir: Path | None = None,
                tag: str = "") -> fx.GraphModule:
     verify(gm, ctx, after="capture" if not ctx.is_joint else "autograd")
-    pictures = bool(getattr(ctx.program.options, "debug_pictures", False))
+    pictures = ctx.program.options.debug_pictures
     for i, p in enumerate(passes):
         require_stage(gm, p)
         before = op_counts(gm)
-        names = _node_names(gm)
+        names = _node_names(gm) if debug_dir is not None else set()
         if debug_dir is not None:
             _dump(debug_dir, f"{tag}{i:02d}_{p.name}_before", gm, pictures=pictures)
         gm = p(gm, ctx)

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from ..errors import IRError
 from ..ir import Stage
-from ..leases import LeasePlan, Payload
+from ..leases import LeasePlan, Payload, payload_name
 from ..ops import op_name
 from .base import PassContext, moe_nodes, moe_pass, op_arg
 
@@ -68,14 +68,14 @@ def collect_payloads(gm: fx.GraphModule, symmetric: bool) -> tuple[list[dict], i
     if not symmetric:
         return out, len(nodes), boundary
 
-    def add(kind: str, n: fx.Node, val: torch.Tensor, readers: list[fx.Node]) -> None:
+    def add(what: str, n: fx.Node, val: torch.Tensor, readers: list[fx.Node]) -> None:
         block = op_arg(n, "block")
         last = max(readers, key=lambda r: pos[r]) if readers else None
         leased = n not in bwd and any(r in bwd for r in readers)
         out.append(dict(
-            name=f"{block}/{kind}", block=block, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype),
+            name=payload_name(block, what), block=block, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype),
             nbytes=_nbytes(val), acquire=pos[n], release=(pos[last] + 1) if last is not None else pos[n] + 1,
-            leased=leased, family="lease" if leased else ("counts" if kind == "counts" else "transient"),
+            leased=leased, family="lease" if leased else ("counts" if what == "counts" else "transient"),
             readers=tuple((op_name(r.target) or str(r.target), block) for r in readers),
             released_by=(op_name(last.target), block) if last is not None else None,
         ))
@@ -86,13 +86,13 @@ def collect_payloads(gm: fx.GraphModule, symmetric: bool) -> tuple[list[dict], i
             recv, _, layout = n.meta["val"]
             ep, nl = layout.shape[1], layout.shape[3]
             add("counts", n, torch.empty((ep, ep, nl), dtype=torch.int64, device="meta"), [])
-            add("dispatch.recv", n, recv, _readers(n, 0))
+            add("dispatch", n, recv, _readers(n, 0))
         elif name == "combine":
-            add("combine.src", n, n.args[0].meta["val"], [])
+            add("combine", n, n.args[0].meta["val"], [])
         elif name == "combine_backward":
-            add("combine_backward.recv", n, n.meta["val"], _readers(n, None))
+            add("combine_backward", n, n.meta["val"], _readers(n, None))
         elif name == "dispatch_backward":
-            add("dispatch_backward.src", n, n.args[0].meta["val"], [])
+            add("dispatch_backward", n, n.args[0].meta["val"], [])
     return out, len(nodes), boundary
 
 

@@ -66,6 +66,8 @@ def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:
     if stage >= Stage.PARTITIONED:
         for n in moe_nodes(gm, "grouped_ffn") + moe_nodes(gm, "grouped_ffn_mx"):
             for w in (op_arg(n, "w_in"), op_arg(n, "w_out")):
+                if op_name(w.target) == "weight_cache":  # MXFP8: check the weight behind its cache
+                    w = op_arg(w, "w")
                 others = [u for u in w.users if op_name(u.target) not in EXPERT_WEIGHT_USERS]
                 if others:
                     fail(f"{op_arg(n, 'block')}: expert weight {w.name} also feeds {[u.name for u in others]} "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .symmetric.host import PREFIX, cleanup_prefix
+from .symmetric.host import cleanup_prefix, job_prefix
 
 
 class RankFailure(RuntimeError):
@@ -138,7 +138,7 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
         shutil.rmtree(store_dir, ignore_errors=True)
         # Symmetric-memory segments are unlinked once mapped; a rank killed mid-allocation can still
         # leave one behind, so remove whatever this job's prefix names.
-        cleanup_prefix(f"{PREFIX}_{job}")
+        cleanup_prefix(job_prefix(job) + "_")  # "_": job "a1" must not match job "a12"
     if failures or note:
         failures.sort()
         raise RankFailure([(r, tb) for _, r, tb in failures], note)

@@ -85,6 +85,7 @@ class LeaseRuntime:
         self.group = group
         self.poison = poison
         self.plans: dict[int, LeasePlan] = {}
+        self._by_name: dict[int, dict[str, Payload]] = {}  # plan id → its payloads by name (per-op lookups)
         self.active: int | None = None
         self.pools: dict[tuple[int, int, str], Pool] = {}
         self.held: dict[tuple[int, str], Lease] = {}
@@ -100,6 +101,7 @@ class LeaseRuntime:
                 return pid
         pid = len(self.plans)
         self.plans[pid] = plan
+        self._by_name[pid] = {p.name: p for p in plan.payloads}
         return pid
 
     def activate(self, plan_id: int) -> None:
@@ -131,9 +133,9 @@ class LeaseRuntime:
     def _payload(self, name: str) -> tuple[int, Payload]:
         if self.active is None:
             raise RuntimeFault(f"payload {name}: no lease plan is active")
-        for p in self.plans[self.active].payloads:
-            if p.name == name:
-                return self.active, p
+        p = self._by_name[self.active].get(name)
+        if p is not None:
+            return self.active, p
         raise RuntimeFault(f"payload {name} is not in the active lease plan {self.active}")
 
     # -- leases ------------------------------------------------------------------------------

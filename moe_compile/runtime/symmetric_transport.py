@@ -20,24 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from ..leases import payload_name
 from .lease_runtime import LeaseRuntime
 from .route_plan import RoutePlan
 from .stats import RuntimeStats
 from .symmetric import SymmetricHeap
 from .transport import Transport
-
-# Transport call → (payload kind, whether the payload outlives the op)
-PAYLOAD_KINDS = {
-    "dispatch": "dispatch.recv",  # leased until its last (backward) reader
-    "combine": "combine.src",  # expert outputs exposed for GET, within the op
-    "combine_backward": "combine_backward.recv",  # output-gradient rows, until grouped_ffn_backward
-    "dispatch_backward": "dispatch_backward.src",  # input-gradient rows exposed for GET, within the op
-    "counts": "counts",  # requested-count matrix exchange, within the op
-}
-
-
-def payload_name(block: str, what: str) -> str:
-    return f"{block}/{PAYLOAD_KINDS[what]}"
 
 
 def route_map(layout: torch.Tensor, me: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +97,7 @@ class SymmetricTransport(Transport):
         for d, s0, d0, n in segs:
             peers[d][d0: d0 + n].copy_(xs[s0: s0 + n])  # PUT into the destination's receive rows
         self.heap.barrier()  # every row landed
-        self._count_rows(what, xs, segs)
+        self._count(what, xs, plan.send_splits, plan.me)  # segment rows per destination = send_splits
         return lease.local
 
     def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:
@@ -125,14 +113,8 @@ class SymmetricTransport(Transport):
             back[s0: s0 + n].copy_(peers[d][d0: d0 + n])  # GET from the expert's rank
         self.heap.barrier()  # every member finished reading my rows
         self.leases.release(name)
-        self._count_rows(what, out, segs)
+        self._count(what, out, plan.send_splits, plan.me)
         return back
-
-    def _count_rows(self, what: str, t: torch.Tensor, segs: list[tuple[int, int, int, int]]) -> None:
-        row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
-        rows = sum(n for _, _, _, n in segs)
-        peer = sum(n for d, _, _, n in segs if d != self.ep_rank)
-        self.stats.add_bytes(self.group_label, what, peer * row_bytes, rows * row_bytes)
 
     def _move(self, send, send_splits, recv_splits):  # rows move by PUT/GET, never as a collective
         raise NotImplementedError("SymmetricTransport moves rows with dispatch_rows/return_rows")

@@ -38,8 +38,6 @@ class Transport(ABC):
     def _move(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows to each peer (split by send_splits) → rows from each peer (split by recv_splits)."""
 
-    fresh_output = True  # _move returns new storage (False: it may hand back the send buffer itself)
-
     def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str, block: str = "") -> torch.Tensor:
         send = xs if plan.send_identity else xs.index_select(0, plan.send_index)
         flat = self._move(send, plan.send_splits, plan.recv_splits)
@@ -58,7 +56,7 @@ class Transport(ABC):
         back_rows = self._move(flat, plan.recv_splits, plan.send_splits)
         self._count(what, flat, plan.recv_splits, plan.me)
         if plan.send_identity:
-            return back_rows if self.fresh_output and back_rows is not flat else back_rows.clone()
+            return back_rows.clone() if back_rows is flat else back_rows  # never hand back `out`'s own rows
         back = out.new_zeros((num_rows,) + tuple(out.shape[1:]))
         back.index_copy_(0, plan.send_index, back_rows)
         return back
@@ -73,7 +71,6 @@ class LocalTransport(Transport):
     """EP-MP group of one rank: rows stay where they are."""
 
     name = "local"
-    fresh_output = False
 
     def __init__(self, stats: RuntimeStats, group_label: str = "ep_mp") -> None:
         super().__init__(stats, group_label)

@@ -59,12 +59,10 @@ def load_checkpoint_views(cm: CompiledMoE, state_dict: dict[str, Any], strict: b
             local = local[cm.program.ep_rank * nl: (cm.program.ep_rank + 1) * nl]
         if local.shape != own[name].shape:
             raise MoECompileError(f"{name}: checkpoint tensor shape {tuple(local.shape)} != model {tuple(own[name].shape)}")
-        released = [s for s in cm.compute_weights() if s.name == name and s.anchor_released]
+        stores = [s for s in cm.compute_weights() if s.name == name]
         with torch.no_grad():
-            if released:  # the parameter holds no values: the store's main weight does
-                released[0].refresh_from(local.float())
-            else:
+            if not any(s.anchor_released for s in stores):  # a released anchor holds no values
                 own[name].copy_(local)
-    if not any(s.anchor_released for s in cm.compute_weights()):
-        cm.refresh_compute_weights()  # copy-back after a load
+        for store in stores:  # copy-back: caches from the loaded weight, not a main weight held before
+            store.refresh_from(local.float() if store.main is not None else None)
     return missing, unexpected

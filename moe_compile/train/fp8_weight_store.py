@@ -29,7 +29,6 @@ class FP8WeightStore:
         self.main: torch.Tensor | None = None  # the FP32 main weight, once an optimizer owns it
         self.anchor_released = False
         self.caches: dict[str, torch.Tensor] = {}
-        self.refreshes = 0
         self._seen_version = -1
         self.refresh_from()
 
@@ -52,7 +51,6 @@ class FP8WeightStore:
         self.caches["fwd"] = quantize_packed(w, self.mode)
         self.caches["t"] = quantize_packed(w.transpose(-2, -1).contiguous(), self.mode)
         self._seen_version = self.param._version
-        self.refreshes += 1
 
     def cache(self, orientation: str) -> torch.Tensor:
         # An optimizer that updates the anchor parameter in place bumps its version: refresh then,

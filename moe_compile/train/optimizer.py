@@ -91,7 +91,6 @@ class _Family:
     name: str  # "dense" | "expert"
     group: dist.ProcessGroup | None  # replica group (None: one rank)
     size: int
-    rank: int
     mesh: Any  # DeviceMesh of the checkpoint views (None in a single process)
     placements: tuple
     slots: list[_Slot]
@@ -187,7 +186,7 @@ class OLMoDDPOptimizer:
         state = {k: torch.zeros(off, dtype=torch.float32) for k in STATE_KINDS}
         for s in slots:
             state["main"][s.off: s.off + s.owned] = s.param.detach().reshape(-1)[s.lo: s.hi].float()
-        fam = _Family(kind, group if size > 1 else None, size, rank, mesh, placements, slots, off, state,
+        fam = _Family(kind, group if size > 1 else None, size, mesh, placements, slots, off, state,
                       torch.zeros(off, dtype=torch.float32))
         if mesh is not None:
             self._check_layout(fam)
@@ -234,7 +233,7 @@ class OLMoDDPOptimizer:
             sq += f.grad.double().pow(2).sum()
         if self.cm.groups is not None and dist.get_world_size() > 1:
             dist.all_reduce(sq)
-        return math.sqrt(sq.item()) if sq.item() >= 0 else float("nan")
+        return math.sqrt(sq.item())  # nan stays nan: step() skips non-finite gradients
 
     def step(self) -> StepResult:
         """Take gradients from the buckets, clip, update FP32 main weights, copy back. Collective."""

@@ -69,7 +69,7 @@ def timeline_svg(plan: LeasePlan, title: str = "lease timeline") -> str:
             cls = "payload leased" if p.leased else "payload transient"
             fill = "#f472b6" if p.leased else "#60a5fa"
             tip = (f"{p.name} ({p.block}) {list(p.shape)} {p.dtype}, {p.nbytes:,} B, [{p.acquire}, {p.release})"
-                   + (" leased" if p.leased else " transient") + (f" parts {list(p.parts)}" if p.parts else ""))
+                   + (" leased" if p.leased else " transient"))
             g.append(f'<rect class="{cls}" x="{x0:.1f}" y="{y + p.slot * ROW + 1}" width="{max(x1 - x0, 1):.1f}" '
                      f'height="{ROW - 2}" fill="{fill}" stroke="#374151" stroke-width="0.5">'
                      f'<title>{html.escape(tip)}</title></rect>')

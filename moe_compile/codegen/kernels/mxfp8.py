@@ -18,7 +18,10 @@ import triton
 import triton.language as tl
 
 from ...mxfp8 import BLOCK, packed_width
-from ..kernel_cache import Config, LaunchPlan, make_spec
+from ..kernel_cache import Config, LaunchPlan, launch, make_spec
+from ._lang import round_
+from .grouped_gemm import _tile_of_group
+from .swiglu import act_fwd, gated_fwd
 
 # -- quantise ---------------------------------------------------------------------------------------
 
@@ -99,83 +102,53 @@ def _store_packed(out_ptr, q, e, rows, pid_k, M, K, stride_o, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, M, K, stride_x, stride_o,
+def _quantize_kernel(x_ptr, out_ptr, M, K, stride_x, stride_o, ACT: tl.constexpr, GATED: tl.constexpr,
                      RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Quantise [M, K] along K. ACT != "none": x is the first GEMM's output and the expert activation
+    # is fused in front (gated: x = [gate | up], K = h), rounded in DT where the torch ops round.
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(x_ptr + rows[:, None] * stride_x + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = gated_fwd(x, u, ACT, DT)
+    elif ACT != "none":
+        x = round_(act_fwd(x, ACT), DT)
     q, e = _quantize_tile(x, RCEIL, BLOCK_M, BLOCK_K)
     _store_packed(out_ptr, q, e, rows, pid_k, M, K, stride_o, BLOCK_K)
 
 
-@triton.jit
-def _swiglu_quantize_kernel(pre_ptr, out_ptr, M, H, stride_p, stride_o,
-                            RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    # pre = [gate | up] (the first GEMM's output); a = silu(gate) · up, quantised along h.
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < H)
-    g = tl.load(pre_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(pre_ptr + rows[:, None] * stride_p + H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    a = g / (1.0 + tl.exp(-g)) * u
-    q, e = _quantize_tile(a, RCEIL, BLOCK_M, BLOCK_K)
-    _store_packed(out_ptr, q, e, rows, pid_k, M, H, stride_o, BLOCK_K)
-
-
-def quantize(x: torch.Tensor, mode: str = "rceil", block_m: int = 64, block_k: int = 64) -> torch.Tensor:
-    """Launcher: packed qdata–scale rows of x [M, K] (K a multiple of 32), as mxfp8.quantize_packed."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
+def quantize(x: torch.Tensor, mode: str = "rceil", activation: str = "none", gated: bool = False) -> torch.Tensor:
+    """Launcher: packed qdata–scale rows of x [M, K] (K a multiple of 32), as mxfp8.quantize_packed —
+    or, with an activation, of ffn_activation(x, activation, gated) (gated: x = [gate | up] [M, 2h])."""
+    k = x.shape[-1] // (2 if gated else 1)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape[0], packed_width(k), dtype=torch.uint8, device=x.device)
-    block_k = min(block_k, triton.next_power_of_2(k))
-    grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(k, block_k))
-    _quantize_kernel[grid](x2, out, x2.shape[0], k, x2.stride(0), out.stride(0),
-                           RCEIL=mode == "rceil", BLOCK_M=block_m, BLOCK_K=block_k)
+    if x2.shape[0] and k:
+        p = plan_quantize(x, mode, activation, gated)
+        launch(p, lambda c, g: _quantize_kernel[g](x2, out, x2.shape[0], k, x2.stride(0), out.stride(0), ACT=activation,
+                                                   GATED=gated, RCEIL=mode == "rceil", **c.kwargs(p.interpret)))
     return out.reshape(*x.shape[:-1], packed_width(k))
-
-
-def swiglu_quantize(pre: torch.Tensor, mode: str = "rceil", block_m: int = 64, block_k: int = 64) -> torch.Tensor:
-    """Launcher: packed MXFP8 rows of silu(gate)·up for pre = [gate | up] [M, 2h] (the fused form of
-    grouped_ffn_mx's activation and its quantise)."""
-    h = pre.shape[-1] // 2
-    p2 = pre.reshape(-1, 2 * h).contiguous()
-    out = torch.empty(p2.shape[0], packed_width(h), dtype=torch.uint8, device=pre.device)
-    block_k = min(block_k, triton.next_power_of_2(h))
-    grid = (triton.cdiv(p2.shape[0], block_m), triton.cdiv(h, block_k))
-    _swiglu_quantize_kernel[grid](p2, out, p2.shape[0], h, p2.stride(0), out.stride(0),
-                                  RCEIL=mode == "rceil", BLOCK_M=block_m, BLOCK_K=block_k)
-    return out.reshape(*pre.shape[:-1], packed_width(h))
 
 
 # -- MXFP8 grouped GEMM -----------------------------------------------------------------------------
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K, G,
-                         stride_a, stride_bg, stride_bn, stride_c,
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K,
+                         stride_a, stride_bg, stride_bn, stride_c, G: tl.constexpr, GP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Static grid: tiles of every group laid end to end (≤ cdiv(M, BLOCK_M) + G of them). Each program
-    # walks the per-expert counts to find its group and row tile; programs past the last tile exit.
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    row0 = 0
-    tiles_before = 0
-    group = -1
-    tile_start = 0
-    g_end = 0
-    for g in range(G):
-        n_rows = tl.load(counts_ptr + g).to(tl.int32)
-        n_tiles = (n_rows + BLOCK_M - 1) // BLOCK_M
-        hit = (tile >= tiles_before) & (tile < tiles_before + n_tiles)
-        group = tl.where(hit, g, group)
-        tile_start = tl.where(hit, row0 + (tile - tiles_before) * BLOCK_M, tile_start)
-        g_end = tl.where(hit, row0 + n_rows, g_end)
-        row0 += n_rows
-        tiles_before += n_tiles
-    if group < 0:
+    # Static grid: tiles of every group laid end to end (≤ cdiv(M, BLOCK_M) + G of them); programs
+    # past the last tile exit.
+    group, tile, row0, n_rows = _tile_of_group(counts_ptr, tl.program_id(0), G, GP, BLOCK_M)
+    pid_n = tl.program_id(1)
+    if group >= G:
         return
+    tile_start = row0 + tile * BLOCK_M
+    g_end = row0 + n_rows
     rows = tile_start + tl.arange(0, BLOCK_M)
     rmask = rows < g_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,8 +179,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, out_dty
     g_count, n = b.shape[0], b.shape[1]
     c = torch.empty(a.shape[0], n, dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(a.shape[0], block_m) + g_count, triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](a, b, c, counts, n, k, g_count, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _grouped_gemm_kernel[grid](a, b, c, counts, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+                               G=g_count, GP=triton.next_power_of_2(g_count), BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k)
     return c
 
 
@@ -221,17 +195,11 @@ def _plan(kernel: str, grid: tuple[int, ...], **static) -> LaunchPlan:
                       lambda _cfg: grid, interpreting())
 
 
-def plan_quantize(x: torch.Tensor, mode: str) -> LaunchPlan:
-    k = x.shape[-1]
-    rows = x.numel() // k
+def plan_quantize(x: torch.Tensor, mode: str, activation: str = "none", gated: bool = False) -> LaunchPlan:
+    k = x.shape[-1] // (2 if gated else 1)
+    rows = x.numel() // x.shape[-1]
     return _plan("_quantize_kernel", (triton.cdiv(rows, 64), triton.cdiv(k, 64)), rows=rows, k=k,
-                 dtype=x.dtype, mode=mode)
-
-
-def plan_swiglu_quantize(pre: torch.Tensor, mode: str) -> LaunchPlan:
-    h = pre.shape[-1] // 2
-    return _plan("_swiglu_quantize_kernel", (triton.cdiv(pre.shape[0], 64), triton.cdiv(h, 64)),
-                 rows=pre.shape[0], h=h, dtype=pre.dtype, mode=mode)
+                 dtype=x.dtype, mode=mode, activation=activation, gated=gated)
 
 
 def plan_grouped_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> LaunchPlan:

@@ -18,15 +18,19 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from ...errors import RuntimeFault
 from .base import SymmetricBuffer, SymmetricHeap
 
 SHM_DIR = "/dev/shm"
 PREFIX = "moe_compile"
 
 
-def job_prefix() -> str:
+BARRIER_TIMEOUT_S = 600.0  # a peer that never reaches the barrier (crashed, hung) fails it after this
+
+
+def job_prefix(job: str | None = None) -> str:
     """Per-job name prefix: the launcher exports MOE_COMPILE_JOB so it can clean up after crashes."""
-    return f"{PREFIX}_{os.environ.get('MOE_COMPILE_JOB', 'nojob')}"
+    return f"{PREFIX}_{job or os.environ.get('MOE_COMPILE_JOB', 'nojob')}"
 
 
 def cleanup_prefix(prefix: str) -> list[str]:
@@ -104,11 +108,17 @@ class HostShmHeap(SymmetricHeap):
         self._epoch += 1
         flags = self._flags
         flags[self.rank] = self._epoch
-        spins = 0
+        spins, deadline = 0, None
         while int(flags.min()) < self._epoch:
             spins += 1
             if spins > 64:
                 time.sleep(0 if spins < 2000 else 1e-5)  # yield: ranks may outnumber cores
+            if spins % 4096 == 0:
+                deadline = deadline or time.monotonic() + BARRIER_TIMEOUT_S
+                if time.monotonic() > deadline:
+                    late = [r for r in range(self.size) if int(flags[r]) < self._epoch]
+                    raise RuntimeFault(f"host shared-memory barrier {self._epoch} of {self.prefix}: EP-group "
+                                       f"ranks {late} did not arrive within {BARRIER_TIMEOUT_S:.0f} s")
 
     @property
     def allocated_bytes(self) -> int:
