@@ -14,7 +14,7 @@ launches it makes for given (fake) arguments: lowering records them for ``Compil
     moe_triton::unpermute           invert order + unpermute (router-weighted, deterministic)
     moe_triton::unpermute_backward  unpermute backward
     moe_triton::quantize_mx         MXFP8 quantise (kernels/mxfp8.py)
-    moe_triton::grouped_ffn_mx      MXFP8 grouped GEMM (tl.dot_scaled) → SwiGLU fused with quantise →
+    moe_triton::grouped_ffn_mx      MXFP8 grouped GEMM (tl.dot_scaled) → activation fused with quantise →
                                     MXFP8 grouped GEMM; its backward stays on the emulated torch path
 
 Rows past the valid prefix of capacity-sized outputs are left unwritten (never read), as in moe::.
@@ -105,7 +105,7 @@ def plan_grouped_ffn_backward(grad_out, recv, pre, counts, w_in, w_out, activati
             gg.plan_grouped_mm_wgrad(pre, recv, counts)]
 
 
-# -- MXFP8 (issue 3's kernels: quantise, SwiGLU fused with quantise, tl.dot_scaled grouped GEMM) ------
+# -- MXFP8 (issue 3's kernels: quantise, activation fused with quantise, tl.dot_scaled grouped GEMM) ------
 
 
 def quantize_mx_impl(x, mode, block):
