@@ -61,7 +61,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if spec.cp > 1:
         raise MeshError(f"mesh {spec}: context parallelism (cp={spec.cp}) needs context-parallel attention, "
                         "which the runtime does not provide yet")
-    groups = spec.build() if dist.is_initialized() else None
+    groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
     blocks = recognize(model)

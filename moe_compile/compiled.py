@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .errors import RuntimeFault
 from .frontend import MoEBlockSpec
 from .mesh import MeshGroups
 from .program import Program
@@ -176,4 +177,12 @@ class CompiledMoE(nn.Module):
         return ledger_for(self, **kw)
 
     def close(self) -> None:
+        """Release the runtime context and its symmetric heap (NVSHMEM finalizes with the last heap of
+        the process). Collective over the EP group when the transport is symmetric: call on every rank."""
+        try:
+            leases = get_context(self.program.ctx_id).leases
+        except RuntimeFault:  # closed already
+            return
         release_context(self.program.ctx_id)
+        if leases is not None and leases.heap is not None:
+            leases.heap.close()

@@ -7,6 +7,11 @@ The plan is identical on every rank (symmetric allocation is collective).
 
 Schedule positions are indices into the joint graph's node order (forward nodes first, then backward).
 A payload occupies its slot on the half-open interval [acquire, release).
+
+Forwards in flight: a stage may run H forwards before their backwards (gradient accumulation that sums
+losses, pipeline schedules). Leased payloads then need H disjoint copies of their slots: the lease
+pool holds H *instances* of the per-forward colouring, instance i owning slots [i·S, (i+1)·S). Transient
+payloads live inside one graph execution, and graphs never interleave, so they need one copy.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ PAYLOAD_KINDS = {
     "dispatch_backward": "dispatch_backward.src",  # input-gradient rows exposed for GET, within the op
     "counts": "counts",  # requested-count matrix exchange, within the op
 }
+
+
+LEASE_FAMILY = "lease"  # payloads written in forward and read in backward
 
 
 def payload_name(block: str, what: str) -> str:
@@ -53,9 +61,18 @@ class LeasePlan:
     high_water: dict[tuple[int, str], int] = field(default_factory=dict)  # (stage, family) → count
     slot_bytes: dict[tuple[int, str], int] = field(default_factory=dict)  # (stage, family) → bytes/slot
     boundary: int = 0  # first backward position (forward positions are < boundary)
+    in_flight: dict[int, int] = field(default_factory=dict)  # stage → forwards in flight H (default 1)
+
+    def instances(self, stage: int, family: str) -> int:
+        """Copies of the per-forward slots a pool holds: H for leases, 1 for transient families."""
+        return self.in_flight.get(stage, 1) if family == LEASE_FAMILY else 1
+
+    def base_slots(self, stage: int, family: str) -> int:
+        """Slots of one forward's colouring of (stage, family)."""
+        return 1 + max((p.slot for p in self.payloads if p.stage == stage and p.family == family), default=-1)
 
     def pool_slots(self, stage: int, family: str) -> int:
-        return 1 + max((p.slot for p in self.payloads if p.stage == stage and p.family == family), default=-1)
+        return self.base_slots(stage, family) * self.instances(stage, family)
 
     @property
     def symmetric_bytes(self) -> int:

@@ -135,6 +135,22 @@ class MeshSpec:
         return MeshGroups.create(self, device_type)
 
 
+def mesh_device_type(model_device: str | None, backend: str) -> str:
+    """The device the mesh's collectives carry: the model's (``None``: CUDA where the backend is
+    nccl-only, else CPU). The backend's name does not decide it: ``init_process_group()`` without
+    a backend reports "undefined" (or "cpu:gloo,cuda:nccl") and serves both devices."""
+    if model_device is None:
+        return "cuda" if backend == "nccl" else "cpu"
+    if model_device == "meta":  # explain plans meta weights over a fake group: nothing is moved
+        return "cpu"
+    if model_device not in ("cpu", "cuda"):
+        raise MeshError(f"the model's parameters are on {model_device!r}; expert-parallel meshes run on cpu or cuda")
+    if model_device == "cpu" and backend == "nccl":
+        raise MeshError("the process group's backend is nccl, which carries no cpu tensors, but the model is "
+                        "on cpu: move it to cuda, or init_process_group('gloo') (or with no backend)")
+    return model_device
+
+
 def _groups_along(mesh: torch.Tensor, axes: tuple[int, ...]) -> list[list[int]]:
     """Rank lists of the sub-meshes spanned by ``axes`` (the other axes fixed)."""
     keep = [a for a in range(mesh.dim()) if a not in axes]
@@ -166,8 +182,7 @@ class MeshGroups:
         world = dist.get_world_size()
         spec = spec.resolve(world)
         rank = dist.get_rank()
-        if device_type is None:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = mesh_device_type(device_type, dist.get_backend())
         dense_t, moe_t = spec.dense_mesh_tensor(), spec.moe_mesh_tensor()
 
         def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup:

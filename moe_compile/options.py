@@ -19,6 +19,8 @@ class CompileOptions:
     transport: str = "auto"  # how dispatch/combine move rows: all_to_all | symmetric | auto (symmetric
     #                          on CPU ranks of one host, else all_to_all; symmetric on GPUs: NVSHMEM)
     lease_sharing: bool = True  # False: a fixed per-block cache per symmetric payload (no slot reuse)
+    forwards_in_flight: int = 1  # forwards that may await their backward at once (e.g. summed losses of
+    #                              k microbatches need k): lease slots are provisioned k times
     lease_debug: bool = False  # poison released symmetric slots (NaN) so stale reads show
     codegen: str = "auto"  # which kernels run the partitioned graph: auto (Triton on GPU, torch ops on
     #                        CPU) | triton (on CPU tensors: the Triton interpreter) | torch
@@ -43,6 +45,9 @@ class CompileOptions:
             raise OptionError(f"mxfp8_scale_mode={self.mxfp8_scale_mode!r}: supported values are {MXFP8_SCALE_MODES}")
         if not isinstance(self.debug_pictures, bool):
             raise OptionError(f"debug_pictures={self.debug_pictures!r}: must be True or False")
+        fif = self.forwards_in_flight
+        if not isinstance(fif, int) or isinstance(fif, bool) or fif < 1:
+            raise OptionError(f"forwards_in_flight={fif!r}: must be a positive integer")
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 

@@ -20,9 +20,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..leases import LEASE_FAMILY
 from ..ops import op_name, op_namespace
 from ..passes.base import PassContext, op_arg
 from ..runtime import get_context
+from ..runtime.lease_runtime import BACKWARD, FORWARD
 
 
 def _local_dropless(n: fx.Node, ctx: PassContext, cap_arg: str, rows_of: fx.Node) -> bool:
@@ -58,7 +60,7 @@ def elide_local_transport(gm: fx.GraphModule, ctx: PassContext) -> int:
     return done
 
 
-def place_lease_ops(gm: fx.GraphModule, ctx: PassContext) -> int:
+def place_lease_ops(gm: fx.GraphModule, ctx: PassContext, kind: str = "forward") -> int:
     """Activate the graph's lease plan first, check every symmetric payload before each reader, and
     release it after its last reader (payloads living within one op are handled by that op)."""
     plan = ctx.lease_plan
@@ -76,9 +78,15 @@ def place_lease_ops(gm: fx.GraphModule, ctx: PassContext) -> int:
         return next(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
 
     first = next(n for n in g.nodes if n.op != "placeholder")
-    like = next(n for n in g.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
+    inputs = [n for n in g.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    if kind == "backward":  # the saved payloads tell the runtime which forward this backward belongs to
+        leased = {(p.shape, p.dtype) for p in plan.payloads if p.family == LEASE_FAMILY}
+        saved = [n for n in inputs if (tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) in leased] or inputs
+    else:
+        saved = inputs[:1]
     with g.inserting_before(first):
-        g.call_function(torch.ops.moe.lease_activate.default, (prog.ctx_id, plan_id, like))
+        g.call_function(torch.ops.moe.lease_activate.default,
+                        (prog.ctx_id, plan_id, BACKWARD if kind == "backward" else FORWARD, saved))
     placed = 1
     for p in plan.payloads:
         for reader in set(p.readers):
@@ -144,7 +152,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext, kind: str) -> fx.GraphModule:
     prog = ctx.program
     gm.meta["moe_codegen"] = prog.codegen
     gm.meta["moe_elided_transport"] = elide_local_transport(gm, ctx)
-    gm.meta["moe_lease_ops"] = place_lease_ops(gm, ctx)
+    gm.meta["moe_lease_ops"] = place_lease_ops(gm, ctx, kind)
     if prog.codegen == "triton":
         records = lower_to_triton(gm, ctx)
         prog.kernel_plans[kind] = records

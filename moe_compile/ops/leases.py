@@ -1,11 +1,15 @@
 """Lease ops that lowering places in the executable graphs (symmetric transport only):
 
-    moe::lease_activate(ctx, plan, like)    first node of a graph: the lease plan its payloads belong to
+    moe::lease_activate(ctx, plan, phase, saved)
+                                            first node of a graph: the lease plan its payloads belong to;
+                                            a forward (phase 0) claims a free instance of the plan's lease
+                                            slots, a backward (phase 1) finds its forward's instance from
+                                            the saved payloads among ``saved``
     moe::lease_check(ctx, payload, like)    before every reader: the lease is live, its slot unchanged
     moe::lease_release(ctx, payload, like)  after the last reader: the slot may be reused
 
 Producers acquire their payloads inside the transport ops (the writer knows when it writes).
-``like`` is a tensor of the graph (the reader's input): the ops dispatch on its device, so on meta
+``like`` (and ``saved``) are tensors of the graph: the ops dispatch on their device, so on meta
 tensors (planning runs, where the transport ops run their fake kernels too) they do nothing.
 """
 
@@ -21,8 +25,8 @@ def _leases(ctx: int):
 
 
 @torch.library.custom_op("moe::lease_activate", mutates_args=())
-def lease_activate(ctx: int, plan: int, like: torch.Tensor) -> None:
-    _leases(ctx).activate(plan)
+def lease_activate(ctx: int, plan: int, phase: int, saved: list[torch.Tensor]) -> None:
+    _leases(ctx).activate(plan, phase, saved)
 
 
 @torch.library.custom_op("moe::lease_check", mutates_args=())

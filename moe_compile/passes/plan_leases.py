@@ -13,6 +13,7 @@ own slot (a fixed per-block cache).
         leased   = written in forward, read in backward
     slots       = interval colouring per (stage, family): lowest slot free at the payload's start
     high-water  = max live payloads per (stage, family)  (= slots when sharing)
+    instances   = forwards in flight H: the lease family's pool holds H copies of its slots
     verify      = no slot holds two payloads whose intervals overlap
 
 Only the symmetric transport has symmetric payloads; other transports get an empty plan. Requires
@@ -29,7 +30,7 @@ import torch.fx as fx
 
 from ..errors import IRError
 from ..ir import Stage
-from ..leases import LeasePlan, Payload, payload_name
+from ..leases import LEASE_FAMILY, LeasePlan, Payload, payload_name
 from ..ops import op_name
 from .base import PassContext, moe_nodes, moe_pass, op_arg
 
@@ -75,7 +76,7 @@ def collect_payloads(gm: fx.GraphModule, symmetric: bool) -> tuple[list[dict], i
         out.append(dict(
             name=payload_name(block, what), block=block, shape=tuple(int(s) for s in val.shape), dtype=str(val.dtype),
             nbytes=_nbytes(val), acquire=pos[n], release=(pos[last] + 1) if last is not None else pos[n] + 1,
-            leased=leased, family="lease" if leased else ("counts" if what == "counts" else "transient"),
+            leased=leased, family=LEASE_FAMILY if leased else ("counts" if what == "counts" else "transient"),
             readers=tuple((op_name(r.target) or str(r.target), block) for r in readers),
             released_by=(op_name(last.target), block) if last is not None else None,
         ))
@@ -96,7 +97,8 @@ def collect_payloads(gm: fx.GraphModule, symmetric: bool) -> tuple[list[dict], i
     return out, len(nodes), boundary
 
 
-def assign_slots(records: list[dict], sharing: bool, schedule_len: int, boundary: int) -> LeasePlan:
+def assign_slots(records: list[dict], sharing: bool, schedule_len: int, boundary: int,
+                 in_flight: int = 1) -> LeasePlan:
     payloads: list[Payload] = []
     slot_bytes: dict[tuple[int, str], int] = {}
     by_family: dict[tuple[int, str], list[dict]] = {}
@@ -113,7 +115,8 @@ def assign_slots(records: list[dict], sharing: bool, schedule_len: int, boundary
             free_at[slot] = r["release"]
             payloads.append(Payload(slot=slot, stage=key[0], **r))
     payloads.sort(key=lambda p: (p.acquire, p.name))
-    return LeasePlan(tuple(payloads), schedule_len, sharing, high_water(payloads), slot_bytes, boundary)
+    return LeasePlan(tuple(payloads), schedule_len, sharing, high_water(payloads), slot_bytes, boundary,
+                     in_flight={0: in_flight})
 
 
 def high_water(payloads: list[Payload] | tuple[Payload, ...]) -> dict[tuple[int, str], int]:
@@ -152,7 +155,8 @@ def verify_lease_plan(plan: LeasePlan) -> None:
 
 def build_plan(gm: fx.GraphModule, ctx: PassContext) -> LeasePlan:
     records, length, boundary = collect_payloads(gm, ctx.program.transport == "symmetric")
-    plan = assign_slots(records, ctx.program.options.lease_sharing, length, boundary)
+    opts = ctx.program.options
+    plan = assign_slots(records, opts.lease_sharing, length, boundary, opts.forwards_in_flight)
     verify_lease_plan(plan)
     nodes = list(gm.graph.nodes)
     for p in plan.payloads:

@@ -12,21 +12,32 @@ Guards (each raises RuntimeFault naming the payload and its MoE layer):
 * reading a payload after its lease ended (generation counters: every acquire bumps the slot's
   generation, and a read checks the generation its lease was granted).
 With ``poison=True`` released slots are filled with NaN (0xFF bytes), so a stale read shows.
+
+Forwards in flight: each forward graph claims a free *instance* of its plan's lease pool (the lowest
+whose leases have all ended) and writes its leased payloads into that instance's slots; more forwards
+than the plan's H raise. A backward graph finds its forward's instance from the saved payloads it
+receives (their addresses lie in that instance's slots). A lease ends at its release node, or when
+its autograd graph is freed without a backward (evaluation without ``no_grad``, a dropped loss): a
+finalizer on the payload tensor backward would have read. A graph that raised leaves transient leases
+held; the next graph of the plan reclaims them (graphs never interleave, so none can be live then).
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeFault
-from ..leases import LeasePlan, Payload
+from ..leases import LEASE_FAMILY, LeasePlan, Payload
 from .symmetric import SymmetricBuffer, SymmetricHeap
 
 ALIGN = 64
+FORWARD, BACKWARD = 0, 1  # phase of the graph that activates a plan
 
 
 def plan_signature(plan: LeasePlan) -> str:
@@ -40,11 +51,22 @@ class Pool:
 
     family: str
     stage: int
-    slots: int
+    slots: int  # base_slots × instances
     slot_bytes: int
-    buf: SymmetricBuffer
+    buf: SymmetricBuffer  # [slots, slot_bytes] uint8
+    base_slots: int = 0  # slots of one forward's colouring; instance i owns [i·base, (i+1)·base)
     owner: list[str | None] = field(default_factory=list)
     generation: list[int] = field(default_factory=list)
+
+    def instance_at(self, t: torch.Tensor) -> int | None:
+        """The instance whose slots hold ``t`` (by address in this rank's pool), or None."""
+        local = self.buf.views[self.buf.rank]
+        if t.device != local.device or not self.base_slots:
+            return None
+        off = t.data_ptr() - local.data_ptr()
+        if not 0 <= off < self.slots * self.slot_bytes:
+            return None
+        return off // self.slot_bytes // self.base_slots
 
     def view(self, slot: int, p: Payload, member: int) -> torch.Tensor:
         dtype = getattr(torch, p.dtype.replace("torch.", ""))
@@ -52,12 +74,13 @@ class Pool:
         return raw.view(dtype).view(p.shape)
 
 
-@dataclass
+@dataclass(eq=False)
 class Lease:
     payload: Payload
     pool: Pool
     slot: int
     generation: int
+    key: tuple[int, int, str] = (0, 0, "")  # (plan, instance, payload)
 
     @property
     def local(self) -> torch.Tensor:
@@ -65,6 +88,25 @@ class Lease:
 
     def peer(self, member: int) -> torch.Tensor:
         return self.pool.view(self.slot, self.payload, member)
+
+
+class _Region:
+    """One payload's bytes exposed through the array interface, so that a tensor made from it has a
+    storage of its own that keeps this object alive: its finalizer runs when the last tensor on that
+    storage is freed (a Python-level tensor object can die before its saved aliases do)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._base = t  # keeps the pool's memory mapped while any alias lives
+        iface = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1", "data": (t.data_ptr(), False),
+                 "strides": None, "version": 3}
+        setattr(self, "__cuda_array_interface__" if t.is_cuda else "__array_interface__", iface)
+
+    def tensor(self) -> torch.Tensor:
+        if self._base.is_cuda:
+            return torch.as_tensor(self, device=self._base.device)
+        import numpy as np
+
+        return torch.from_numpy(np.asarray(self))
 
 
 @dataclass
@@ -88,7 +130,8 @@ class LeaseRuntime:
         self._by_name: dict[int, dict[str, Payload]] = {}  # plan id → its payloads by name (per-op lookups)
         self.active: int | None = None
         self.pools: dict[tuple[int, int, str], Pool] = {}
-        self.held: dict[tuple[int, str], Lease] = {}
+        self.held: dict[tuple[int, int, str], Lease] = {}  # (plan, instance, payload) → live lease
+        self.current: dict[int, int] = {}  # plan → instance of the graph running now
         self.live: dict[tuple[int, str], int] = {}  # (stage, family) → live leases now
         self.observed_high_water: dict[tuple[int, str], int] = {}
         self.fault: LeaseFault | None = None
@@ -104,22 +147,70 @@ class LeaseRuntime:
         self._by_name[pid] = {p.name: p for p in plan.payloads}
         return pid
 
-    def activate(self, plan_id: int) -> None:
-        """Make ``plan_id`` the plan the following acquires use; allocate its pools on first use."""
+    def activate(self, plan_id: int, phase: int = FORWARD, saved: list[torch.Tensor] | None = None) -> None:
+        """Make ``plan_id`` the plan the following acquires use; allocate its pools on first use. A
+        forward claims a free instance; a backward takes the instance its ``saved`` payloads lie in."""
         if plan_id not in self.plans:
             raise RuntimeFault(f"lease plan {plan_id} was never installed in this runtime")
         self.active = plan_id
         plan = self.plans[plan_id]
-        if any(k[0] == plan_id for k in self.pools) or not plan.payloads:
+        if not plan.payloads:
             return
+        if not any(k[0] == plan_id for k in self.pools):
+            self._allocate(plan_id, plan)
+        self._reclaim_transient(plan_id)
+        self.current[plan_id] = self._claim(plan_id, plan) if phase == FORWARD else self._instance_of(plan_id, saved or [])
+
+    def _allocate(self, plan_id: int, plan: LeasePlan) -> None:
         if self.heap is None:
             raise RuntimeFault("a lease plan with symmetric payloads needs a symmetric heap (transport='symmetric')")
         self._check_identical(plan)
-        for stage, family in sorted({(p.stage, p.family) for p in plan.payloads}):
-            slots = plan.pool_slots(stage, family)
-            nbytes = -(-plan.slot_bytes[(stage, family)] // ALIGN) * ALIGN
+        pools = {key: (plan.pool_slots(*key), -(-plan.slot_bytes[key] // ALIGN) * ALIGN)
+                 for key in sorted({(p.stage, p.family) for p in plan.payloads})}
+        self.heap.reserve(sum(slots * nbytes for slots, nbytes in pools.values()))  # fixed-size heaps check it
+        for (stage, family), (slots, nbytes) in pools.items():
             buf = self.heap.alloc(f"{family}@{stage}", (slots, nbytes), torch.uint8)
-            self.pools[(plan_id, stage, family)] = Pool(family, stage, slots, nbytes, buf, [None] * slots, [0] * slots)
+            self.pools[(plan_id, stage, family)] = Pool(family, stage, slots, nbytes, buf,
+                                                        plan.base_slots(stage, family), [None] * slots, [0] * slots)
+
+    def _reclaim_transient(self, plan_id: int) -> None:
+        """Transient leases of ``plan_id`` still held belong to a graph that raised mid-way."""
+        for key, lease in list(self.held.items()):
+            if key[0] == plan_id and lease.payload.family != LEASE_FAMILY:
+                self._end(key, lease)
+
+    def _busy(self, plan_id: int) -> set[int]:
+        return {k[1] for k, lease in self.held.items() if k[0] == plan_id and lease.payload.family == LEASE_FAMILY}
+
+    def _claim(self, plan_id: int, plan: LeasePlan) -> int:
+        if not any(p.family == LEASE_FAMILY for p in plan.payloads):
+            return 0
+        stages = {p.stage for p in plan.payloads if p.family == LEASE_FAMILY}
+        n = min(plan.instances(s, LEASE_FAMILY) for s in stages)
+        for attempt in range(2):
+            busy = self._busy(plan_id)
+            free = [i for i in range(n) if i not in busy]
+            if free:
+                return free[0]
+            if attempt == 0:
+                gc.collect()  # a freed autograd graph caught in a reference cycle ends its leases here
+        raise RuntimeFault(
+            f"{n + 1} forwards in flight, but the lease plan provisions {n} (forwards_in_flight={n}): "
+            f"{n} earlier forward(s) still hold their leases because their autograd graphs are alive and "
+            "their backward has not run. Call backward first, run evaluation under torch.no_grad(), drop "
+            f"the earlier outputs, or compile with forwards_in_flight={n + 1}")
+
+    def _instance_of(self, plan_id: int, saved: list[torch.Tensor]) -> int:
+        pools = [pool for (pid, _, fam), pool in self.pools.items() if pid == plan_id and fam == LEASE_FAMILY]
+        if not pools:
+            return 0
+        for t in saved:
+            for pool in pools:
+                inst = pool.instance_at(t)
+                if inst is not None:
+                    return inst
+        raise RuntimeFault(f"backward of lease plan {plan_id}: none of the tensors it saved lies in its lease "
+                           "pool, so the forward it belongs to cannot be found")
 
     def _check_identical(self, plan: LeasePlan) -> None:
         if self.group is None or dist.get_world_size(self.group) == 1:
@@ -139,18 +230,23 @@ class LeaseRuntime:
         raise RuntimeFault(f"payload {name} is not in the active lease plan {self.active}")
 
     # -- leases ------------------------------------------------------------------------------
+    def _key(self, pid: int, p: Payload) -> tuple[int, int, str]:
+        return (pid, self.current.get(pid, 0) if p.family == LEASE_FAMILY else 0, p.name)
+
     def acquire(self, name: str) -> Lease:
         pid, p = self._payload(name)
         pool = self.pools[(pid, p.stage, p.family)]
         guarded = not (self.fault and self.fault.unguarded)
+        key = self._key(pid, p)
         slot = p.slot
         if self.fault and self.fault.kind == "steal" and self.fault.payload == name:
             slot = self._payload(self.fault.victim)[1].slot if self.fault.victim else slot
+        slot += key[1] * pool.base_slots
         if slot >= pool.slots or p.nbytes > pool.slot_bytes:
             raise RuntimeFault(
                 f"payload {name} (MoE layer {p.block}) needs slot {slot} / {p.nbytes} bytes, but pool "
                 f"{p.family}@{p.stage} is frozen at {pool.slots} slots of {pool.slot_bytes} bytes")
-        if guarded and (pid, name) in self.held:
+        if guarded and key in self.held:
             raise RuntimeFault(f"payload {name} (MoE layer {p.block}) acquired twice: its previous lease is still "
                                "live (did the previous step's backward run?)")
         owner = pool.owner[slot]
@@ -161,8 +257,8 @@ class LeaseRuntime:
                 "(if the previous step's backward did not run, call backward or run forward under no_grad)")
         pool.owner[slot] = name
         pool.generation[slot] += 1
-        lease = Lease(p, pool, slot, pool.generation[slot])
-        self.held[(pid, name)] = lease
+        lease = Lease(p, pool, slot, pool.generation[slot], key)
+        self.held[key] = lease
         key = (p.stage, p.family)
         self.live[key] = self.live.get(key, 0) + 1
         self.observed_high_water[key] = max(self.observed_high_water.get(key, 0), self.live[key])
@@ -170,10 +266,22 @@ class LeaseRuntime:
             self.release(name)
         return lease
 
+    def bind(self, lease: Lease, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the payload's memory) as a tensor of its own storage, and the lease ends when the last
+        tensor on that storage is freed — every view and alias the autograd graph saved included: the
+        graph was dropped without a backward. After an explicit release this is a no-op."""
+        region = _Region(t)
+        weakref.finalize(region, self._orphaned, lease)
+        return region.tensor().view(t.dtype).view(t.shape)
+
+    def _orphaned(self, lease: Lease) -> None:
+        if self.held.get(lease.key) is lease:
+            self._end(lease.key, lease)
+
     def check(self, name: str) -> Lease:
         """Guard a read: the payload's lease is live and its slot still holds this generation."""
         pid, p = self._payload(name)
-        lease = self.held.get((pid, name))
+        lease = self.held.get(self._key(pid, p))
         if self.fault and self.fault.unguarded and lease is not None:
             return lease
         if lease is None:
@@ -185,15 +293,24 @@ class LeaseRuntime:
 
     def release(self, name: str) -> None:
         pid, p = self._payload(name)
-        lease = self.held.pop((pid, name), None)
+        key = self._key(pid, p)
+        lease = self.held.get(key)
         if lease is None:
             raise RuntimeFault(f"double release of payload {name} (MoE layer {p.block}): it holds no lease")
-        pool = lease.pool
+        self._end(key, lease)
+
+    def _end(self, key: tuple[int, int, str], lease: Lease) -> None:
+        del self.held[key]
+        pool, name = lease.pool, lease.payload.name
         if pool.owner[lease.slot] == name:
             pool.owner[lease.slot] = None
             if self.poison:
                 lease.local.view(torch.uint8).fill_(0xFF)  # NaN in every float format
-        self.live[(p.stage, p.family)] -= 1
+        self.live[(lease.payload.stage, lease.payload.family)] -= 1
+
+    def in_flight(self, plan_id: int | None = None) -> int:
+        """Forwards whose leases are still held (of ``plan_id``, or of the active plan)."""
+        return len(self._busy(self.active if plan_id is None else plan_id))
 
     # -- inspection ----------------------------------------------------------------------------
     @property

@@ -25,6 +25,11 @@ the compiled region itself.
 
 Gradient accumulation over m microbatches: run the first m−1 backwards under ``no_sync()``; the
 last one reduces the accumulated total once.
+
+A backward that raises never runs its end-of-backward callback (autograd drops queued callbacks), so
+the reduction state is keyed by autograd's graph-task id: the first hook of a new backward finds the
+state of an abandoned one, waits for its in-flight reductions and starts afresh. That step's gradients
+are partial, as in plain PyTorch; ``zero_grad()`` before the next step discards them.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ class MultiGroupDistributedDataParallel:
         self.buckets: list[GradBucket] = []
         self._where: dict[int, tuple[GradBucket, int]] = {}
         self._sync = True
-        self._in_backward = False
+        self._task: int | None = None  # graph-task id of the backward whose end callback is queued
         self._next = 0
         self._build_buckets(grad_dtype)
         for b in self.buckets:
@@ -135,7 +140,7 @@ class MultiGroupDistributedDataParallel:
     def set_grad_dtype(self, dtype: torch.dtype | None) -> None:
         """Re-create the buckets with gradients in ``dtype`` (None: each parameter's own dtype).
         Accumulated gradients are carried over. Not allowed inside a backward."""
-        if self._in_backward:
+        if torch._C._current_graph_task_id() != -1:
             raise RuntimeError("MultiGroupDistributedDataParallel.set_grad_dtype called during a backward")
         if dtype != self.grad_dtype:
             self._build_buckets(dtype)
@@ -158,6 +163,8 @@ class MultiGroupDistributedDataParallel:
         return b.view(i)
 
     def zero_grad(self) -> None:
+        if self._task is not None and self._task != torch._C._current_graph_task_id():
+            self._abandon()  # a backward that raised left its reduction state behind
         for b in self.buckets:
             b.flat.zero_()
             for i, p in enumerate(b.params):
@@ -171,8 +178,11 @@ class MultiGroupDistributedDataParallel:
             b.adopt(i)
         if not self._sync:
             return
-        if not self._in_backward:
-            self._in_backward = True
+        task = torch._C._current_graph_task_id()
+        if self._task != task:
+            if self._task is not None:
+                self._abandon()
+            self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b.ready.add(i)
         self._launch_ready()
@@ -198,7 +208,18 @@ class MultiGroupDistributedDataParallel:
                 b.flat.mul_(b.scale)
             b.ready.clear()
         self._next = 0
-        self._in_backward = False
+        self._task = None
+
+    def _abandon(self) -> None:
+        """Drop the reduction state of a backward that raised before its end callback ran: finish
+        the reductions it started (every rank issued them, so they complete) and forget the rest."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            b.ready.clear()
+        self._next = 0
+        self._task = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -97,8 +97,9 @@ class HostShmHeap(SymmetricHeap):
         self._maps += maps
         self._bytes += nbytes
         views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes).view(dtype).view(shape) if nbytes
-                 else torch.empty(shape, dtype=dtype) for m in maps]
-        views[self.rank].zero_()
+                 else torch.zeros(shape, dtype=dtype) for m in maps]
+        # no zero_() here: a new segment is zero-filled (O_EXCL + ftruncate), and a peer that left the
+        # barrier first may already be writing into it
         return SymmetricBuffer(name, tuple(shape), dtype, views, self.rank)
 
     def barrier(self) -> None:

@@ -1,0 +1,176 @@
+"""Faults and misuse that must not poison later steps: a backward that raised, forwards that never
+get a backward, more forwards in flight than planned, meshes built on an unnamed backend.
+
+Every check compares against the dense model (an independent reference), after the fault.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import MeshError, RuntimeFault
+from moe_compile.mesh import mesh_device_type
+
+from .common import build_model, dense_reference, make_batches, rel_err
+from .harness import run_ranks
+
+
+def _grad_err(cm, ref_grads) -> float:
+    grads = cm.full_grads()
+    return max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)
+
+
+# -- item 2: a backward that raises must not jam the gradient reduction ---------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+def failed_backward_worker(rank, world):
+    model = build_model("tiny")
+    batches = make_batches(world, seed=3)
+    ref_grads = dense_reference(model, batches)[1]
+    cm = moe_compile(copy.deepcopy(model), MeshSpec.parse(f"dp={world}"))
+    first = next(p for p in cm.model.parameters() if p.requires_grad)
+    armed = [True]
+
+    def hook(_p):  # runs after the reducer's own hook on this parameter: its reduction state is set
+        if armed[0]:
+            armed[0] = False
+            raise Boom("injected")
+
+    first.register_post_accumulate_grad_hook(hook)
+    raised = False
+    try:
+        cm(batches[rank], labels=batches[rank]).loss.backward()
+    except Boom:
+        raised = True
+    errs = []
+    for _ in range(2):  # every later step reduces again
+        cm.ddp.zero_grad()
+        cm(batches[rank], labels=batches[rank]).loss.backward()
+        errs.append(_grad_err(cm, ref_grads))
+    dist.barrier()
+    return {"raised": raised, "errs": errs}
+
+
+@pytest.mark.slow
+def test_gradient_reduction_recovers_after_a_failed_backward():
+    for r in run_ranks(failed_backward_worker, 2):
+        assert r["raised"], r
+        assert max(r["errs"]) <= 1e-5, r
+
+
+# -- item 3: leases end with their autograd graph; k forwards in flight ---------------------------
+
+
+def lease_lifetime_worker(rank, world):
+    model = build_model("tiny")
+    a, b = make_batches(world, seed=4), make_batches(world, seed=5)
+    ref_a = dense_reference(model, a)[1]
+    ref = copy.deepcopy(model)  # gradient of mean(a) + mean(b): two forwards, one backward
+    (torch.stack([ref(x, labels=x).loss for x in a]).mean()
+     + torch.stack([ref(x, labels=x).loss for x in b]).mean()).backward()
+    ref_ab = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    out = {}
+
+    cm = moe_compile(copy.deepcopy(model), MeshSpec(ep_mp=world))
+    out["transport"] = cm.program.transport
+    # an evaluation forward with gradients enabled, its output dropped: no backward ever runs
+    cm(a[rank], labels=a[rank]).loss.item()
+    out["in_flight_after_eval"] = cm.lease_runtime().in_flight()
+    cm(a[rank], labels=a[rank]).loss.backward()
+    out["err_after_eval"] = _grad_err(cm, ref_a)
+    out["in_flight_after_step"] = cm.lease_runtime().in_flight()
+
+    # two forwards before one backward with the default one forward in flight: a clear error ...
+    cm.ddp.zero_grad()
+    keep = cm(a[rank], labels=a[rank]).loss
+    try:
+        cm(b[rank], labels=b[rank])
+        out["second_forward"] = "ran"
+    except RuntimeFault as e:
+        out["second_forward"] = str(e)
+    del keep
+    # ... and the next step is right
+    cm.ddp.zero_grad()
+    cm(a[rank], labels=a[rank]).loss.backward()
+    out["err_after_refusal"] = _grad_err(cm, ref_a)
+
+    # compiled for two forwards in flight: summed losses of two microbatches
+    cm2 = moe_compile(copy.deepcopy(model), MeshSpec(ep_mp=world), forwards_in_flight=2)
+    for step in range(2):
+        cm2.ddp.zero_grad()
+        la = cm2(a[rank], labels=a[rank]).loss
+        lb = cm2(b[rank], labels=b[rank]).loss
+        out[f"in_flight_{step}"] = cm2.lease_runtime().in_flight()
+        (la + lb).backward()
+        out[f"err_two_{step}"] = _grad_err(cm2, ref_ab)
+    out["in_flight_end"] = cm2.lease_runtime().in_flight()
+    out["sym_ratio"] = cm2.lease_runtime().symmetric_bytes / cm.lease_runtime().symmetric_bytes
+    lease_bytes = [p.slots * p.slot_bytes for k, p in cm.lease_runtime().pools.items() if k[2] == "lease"]
+    out["lease_bytes"] = sum(lease_bytes)
+    out["lease_bytes2"] = sum(p.slots * p.slot_bytes for k, p in cm2.lease_runtime().pools.items() if k[2] == "lease")
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_leases_end_with_their_graph_and_forwards_in_flight():
+    for r in run_ranks(lease_lifetime_worker, 2):
+        assert r["transport"] == "symmetric", r
+        assert r["in_flight_after_eval"] == 0, r  # the dropped graph ended its leases
+        assert r["err_after_eval"] <= 1e-5 and r["in_flight_after_step"] == 0, r
+        assert "2 forwards in flight" in r["second_forward"] and "forwards_in_flight=2" in r["second_forward"], r
+        assert r["err_after_refusal"] <= 1e-5, r
+        assert r["in_flight_0"] == r["in_flight_1"] == 2 and r["in_flight_end"] == 0, r
+        assert r["err_two_0"] <= 1e-5 and r["err_two_1"] <= 1e-5, r
+        assert r["lease_bytes2"] == 2 * r["lease_bytes"] > 0, r  # only the lease pool doubles
+        assert 1 < r["sym_ratio"] < 2, r
+
+
+# -- item 5: the mesh's device type follows the model, not the backend's name ---------------------
+
+
+@pytest.mark.parametrize("model_device, backend, want", [
+    ("cuda", "undefined", "cuda"),  # init_process_group() without a backend (torchrun's default)
+    ("cuda", "cpu:gloo,cuda:nccl", "cuda"),
+    ("cuda", "nccl", "cuda"),
+    ("cpu", "undefined", "cpu"),
+    ("cpu", "gloo", "cpu"),
+    ("cpu", "cpu:gloo,cuda:nccl", "cpu"),
+])
+def test_mesh_device_type_follows_the_model(model_device, backend, want):
+    assert mesh_device_type(model_device, backend) == want
+
+
+def test_mesh_device_type_refuses_a_backend_that_cannot_carry_the_model():
+    with pytest.raises(MeshError, match="nccl.*cpu"):
+        mesh_device_type("cpu", "nccl")
+    with pytest.raises(MeshError, match="mps"):
+        mesh_device_type("mps", "gloo")
+
+
+def unnamed_backend_worker(rank, world, store_file):
+    dist.destroy_process_group()  # the harness's gloo world, replaced by one with no backend named
+    dist.init_process_group(init_method=f"file://{store_file}", rank=rank, world_size=world)
+    model = build_model("tiny")
+    batches = make_batches(world, seed=6)
+    ref_grads = dense_reference(model, batches)[1]
+    cm = moe_compile(copy.deepcopy(model), MeshSpec(ep_mp=world))
+    cm(batches[rank], labels=batches[rank]).loss.backward()
+    out = {"backend": dist.get_backend(), "device": cm.groups.device_type, "err": _grad_err(cm, ref_grads)}
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_unnamed_backend_trains_on_the_models_device(tmp_path):
+    for r in run_ranks(unnamed_backend_worker, 2, str(tmp_path / "store")):
+        assert r["backend"] == "undefined" and r["device"] == "cpu" and r["err"] <= 1e-5, r
