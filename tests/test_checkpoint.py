@@ -1,11 +1,14 @@
-"""Checkpoints: kill -9 and resume (bitwise), crash mid-save, mismatched and truncated checkpoints;
-BF16 compute weights with FP32 main weights, and skipped non-finite steps."""
+"""Checkpoints: kill -9 and resume (bitwise), crash mid-save, mismatched, truncated and bit-flipped
+checkpoints, frozen parameters across meshes; BF16 compute weights with FP32 main weights, and skipped
+non-finite steps."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +21,14 @@ import torch
 
 from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import CheckpointError
-from moe_compile.train.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_compile.train.checkpoint import (
+    MANIFEST,
+    _manifest_sha256,
+    file_sha256,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from moe_compile.train.loop import train_step
 from moe_compile.train.optimizer import OLMoDDPOptimizer
 
@@ -101,6 +111,8 @@ def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
     # The manifest agreeing with the damaged file: the read itself fails, still before anything is adopted.
     manifest = json.loads((bad / MANIFEST).read_text())
     manifest["files"][data.name] = size // 10
+    manifest["sha256"][data.name] = file_sha256(data)
+    manifest["manifest_sha256"] = _manifest_sha256(manifest)
     (bad / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="could not be read.*nothing was loaded"):
         load_checkpoint(bad, tgt, topt)
@@ -114,6 +126,162 @@ def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
     assert same(snapshot(tgt, topt), before)
     load_checkpoint(ck, tgt, topt)  # the intact original still loads, and does change the target
     assert not same(snapshot(tgt, topt), before)
+
+
+def flip_bit(path: Path, at: int | None = None) -> None:
+    """Flip one bit of the byte in the middle of ``path`` (or at ``at``): same size, other content."""
+    size = path.stat().st_size
+    at = size // 2 if at is None else at
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x08]))
+    assert path.stat().st_size == size
+
+
+def test_bit_flip_is_caught_by_checksum_before_anything_is_loaded(tmp_path, caplog):
+    cm, opt = trained()
+    save_checkpoint(tmp_path / "a", cm, opt, step=2, data_position=2)
+    ck = latest_checkpoint(tmp_path / "a")
+    at2 = snapshot(cm, opt)
+
+    train_step(cm, opt, make_batches(1, seed=9))  # past the checkpoint: any load would change the state
+    before = snapshot(cm, opt)
+    for victim in ("data", ".metadata"):
+        bad = tmp_path / victim / ck.name
+        shutil.copytree(ck, bad)
+        f = max(bad.glob("*.distcp"), key=lambda p: p.stat().st_size) if victim == "data" else bad / ".metadata"
+        flip_bit(f)
+        with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(bad))} is damaged: file "
+                                                  rf"{re.escape(f.name)} has SHA-256 .*nothing was loaded"):
+            load_checkpoint(bad, cm, opt)
+        assert same(snapshot(cm, opt), before), victim  # nothing half-loaded
+
+    # The manifest's own fields are covered too: a changed step is not taken at its word.
+    bad = tmp_path / "manifest" / ck.name
+    shutil.copytree(ck, bad)
+    text = (bad / MANIFEST).read_text()
+    (bad / MANIFEST).write_text(text.replace('"step": 2,', '"step": 3,', 1))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(bad))} is damaged: {MANIFEST} does not match"):
+        load_checkpoint(bad, cm, opt)
+    assert same(snapshot(cm, opt), before)
+
+    state = load_checkpoint(ck, cm, opt)  # the clean checkpoint still loads: back to step 2 exactly
+    assert (state.step, state.data_position, state.optimizer_step) == (2, 2, 2)
+    assert same(snapshot(cm, opt), at2)
+    manifest = json.loads((ck / MANIFEST).read_text())
+    assert sorted(manifest["sha256"]) == sorted(manifest["files"])  # every file, .metadata included
+    assert all(file_sha256(ck / rel) == h for rel, h in manifest["sha256"].items())
+
+    # A manifest from before checksums (sizes only) still loads, with a warning.
+    legacy = tmp_path / "legacy" / ck.name
+    shutil.copytree(ck, legacy)
+    (legacy / MANIFEST).write_text(json.dumps({k: v for k, v in manifest.items()
+                                               if k not in ("sha256", "manifest_sha256")}))
+    train_step(cm, opt, make_batches(1, seed=9))
+    with caplog.at_level(logging.WARNING, logger="moe_compile.train"):
+        load_checkpoint(legacy, cm, opt)
+    assert same(snapshot(cm, opt), at2)
+    assert any("has no file checksums" in r.getMessage() for r in caplog.records), caplog.records
+
+
+FROZEN_DENSE = ("embed.weight", "layers.0.mlp.router.weight")
+FROZEN_EXPERT = "layers.1.mlp.experts.down_proj"
+
+
+def frozen(seed: int, mesh: str):
+    """The tiny model with two dense parameters frozen before compiling and one expert parameter
+    after (the canonical expert tensors are new parameters), and an optimizer over the rest."""
+    model = build_model("tiny", seed=seed)
+    for n in FROZEN_DENSE:
+        model.get_parameter(n).requires_grad_(False)
+    cm = moe_compile(model, MeshSpec.parse(mesh))
+    cm.model.get_parameter(FROZEN_EXPERT).requires_grad_(False)
+    opt = OLMoDDPOptimizer(cm, lr=1e-2, weight_decay=0.01)
+    return cm, opt
+
+
+def tensors_out(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def frozen_worker(rank, world, mesh, ckpt, saved):
+    """``saved`` None: freeze, perturb the frozen values, train, save, then resume a fresh model (other
+    random init) on the same mesh and try a bit-flipped copy. Else: resume from ``ckpt`` on ``mesh``."""
+    out = {}
+    if saved is None:
+        cm, opt = frozen(0, mesh)
+        names = {FROZEN_EXPERT, *FROZEN_DENSE}
+        with torch.no_grad():  # frozen values no init reproduces
+            for n in sorted(names):
+                cm.model.get_parameter(n).mul_(-3.0).add_(0.25)
+        out["frozen_in_optimizer"] = sorted(names & set(opt.slots))
+        perturbed = cm.full_state_dict()
+        dp_rank = cm.program.mesh.dense_coords(rank)[1]
+        for s in range(2):
+            train_step(cm, opt, make_batches(world, seed=s)[dp_rank: dp_rank + 1])
+        after = cm.full_state_dict()
+        out["frozen_stayed"] = all(torch.equal(after[k], perturbed[k]) for k in after
+                                   if k in FROZEN_DENSE or k.startswith("layers.1.mlp.experts.") and ".w2." in k)
+        out["trained_moved"] = not torch.equal(after["lm_head.weight"], perturbed["lm_head.weight"])
+        save_checkpoint(ckpt, cm, opt, step=2, data_position=2 * world)
+        out["saved"] = {"params": after, "optim": opt.full_state()}
+        saved = out["saved"]
+        # A bit flip in the data file rank 1 wrote: whichever rank hashes it, every rank raises naming it.
+        ck = latest_checkpoint(ckpt)
+        bad = Path(ckpt).parent / "flipped" / ck.name
+        if rank == 0:
+            shutil.copytree(ck, bad)
+            flip_bit(bad / f"__{world - 1}_0.distcp")
+        torch.distributed.barrier()
+        train_step(cm, opt, make_batches(world, seed=5)[dp_rank: dp_rank + 1])
+        before = {"params": cm.full_state_dict(), "optim": opt.full_state()}
+        try:
+            load_checkpoint(bad, cm, opt)
+            out["flip_error"] = "loaded"
+        except CheckpointError as e:
+            out["flip_error"] = str(e)
+        out["flip_untouched"] = state_equal({"params": cm.full_state_dict(), "optim": opt.full_state()}, before)
+    cm, opt = frozen(1, mesh)  # a fresh model, other random init
+    fresh = cm.full_state_dict()
+    out["was_different"] = sorted(n for n in saved["params"] if not torch.equal(fresh[n], saved["params"][n]))
+    state = load_checkpoint(ckpt, cm, opt)
+    out["loaded_step"] = (state.step, state.optimizer_step)
+    got = {"params": cm.full_state_dict(), "optim": opt.full_state()}
+    out["differ_after_load"] = [n for n in saved["params"] if not torch.equal(got["params"][n], saved["params"][n])]
+    out["optim_equal"] = state_equal({"params": {}, "optim": got["optim"]}, {"params": {}, "optim": saved["optim"]})
+    return tensors_out(out if rank == 0 else {k: v for k, v in out.items() if k.startswith("flip_")})
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    return (a["params"].keys() == b["params"].keys() and a["optim"].keys() == b["optim"].keys()
+            and all(torch.equal(a["params"][n], b["params"][n]) for n in b["params"])
+            and all(torch.equal(a["optim"][n][k], b["optim"][n][k]) for n in b["optim"] for k in b["optim"][n]))
+
+
+@pytest.mark.slow
+def test_frozen_parameters_are_restored_on_another_mesh(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    a, a1 = (torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(frozen_worker, 2, "ep_mp=2", ckpt, None))
+    assert a["frozen_in_optimizer"] == [], a["frozen_in_optimizer"]
+    assert a["frozen_stayed"] and a["trained_moved"], a
+    assert "damaged: file __1_0.distcp has SHA-256" in a["flip_error"], a["flip_error"]
+    assert "flipped" in a["flip_error"] and "nothing was loaded" in a["flip_error"], a["flip_error"]
+    assert a1["flip_error"] == a["flip_error"], a1  # one rank hashed the file; both raise the same error
+    assert a["flip_untouched"] and a1["flip_untouched"]
+    saved = a["saved"]
+    frozen_names = [n for n in saved["params"] if n in FROZEN_DENSE
+                    or n.startswith("layers.1.mlp.experts.") and ".w2." in n]
+    assert len(frozen_names) == len(FROZEN_DENSE) + 8, frozen_names  # + the 8 experts' down projections
+    one = torch.load(io.BytesIO(run_ranks(frozen_worker, 1, "", ckpt, saved)[0]), weights_only=False)
+    for r, where in ((a, "ep_mp=2, 2 ranks"), (one, "ep_mp=1, 1 rank")):
+        assert set(frozen_names) <= set(r["was_different"]), (where, r["was_different"])
+        assert r["loaded_step"] == (2, 2), (where, r["loaded_step"])
+        assert r["differ_after_load"] == [], (where, r["differ_after_load"])  # every parameter, frozen included
+        assert r["optim_equal"], where
 
 
 def bf16_worker(rank, world):

@@ -3,7 +3,8 @@
 What one checkpoint holds (all as checkpoint-view DTensors — global views, no rank materialising a
 full expert tensor):
 
-    model.<name>               compute weights and buffers (dense replicated; experts Shard(0) on ep_mp)
+    model.<name>               compute weights, frozen parameters and buffers (dense replicated;
+                               experts Shard(0) on ep_mp)
     optim.<name>.main          FP32 main weight   } flattened global tensors whose shards are the
     optim.<name>.exp_avg       AdamW moments      } ZeRO-1 pieces (see train/optimizer.py)
     optim.<name>.exp_avg_sq
@@ -11,22 +12,28 @@ full expert tensor):
 
 Layout on disk and the commit protocol (a crash at any point leaves the previous checkpoint loadable)::
 
-    ROOT/.step_00000010.partial/   every rank writes its pieces (dcp.save), files fsynced
-    ROOT/.step_00000010.partial/moe_manifest.json     rank 0, after a barrier: sizes of every file
+    ROOT/.step_00000010.partial/   every rank writes its pieces (dcp.save), files fsynced, then
+                                   hashes the files it wrote (SHA-256, read back from the page cache)
+    ROOT/.step_00000010.partial/moe_manifest.json     rank 0, after gathering those: size and SHA-256
+                                   of every file, and a SHA-256 of the manifest itself
     rename → ROOT/step_00000010/   (atomic); then ROOT/latest ← "step_00000010" (write + atomic replace)
     older checkpoints beyond keep_last are removed only after that
 
-Loading (under any mesh): the manifest and file sizes are checked, then DCP's metadata against the
-model (names and global shapes); everything is read into staged storage, and only when every rank has
-read all of it are the optimizer state and buffers adopted and the compute weights copied back from
-the FP32 main weights. A mismatched, truncated or incomplete checkpoint raises CheckpointError and
-overwrites nothing.
+Loading (under any mesh): the manifest, file sizes and file checksums are checked (the ranks split
+the files between them and agree on the verdict), then DCP's metadata against the model (names and
+global shapes); everything is read into staged storage, and only when every rank has read all of it
+are the optimizer state, frozen parameters (``requires_grad=False``: no FP32 main weight, so they come
+from ``model.<name>``) and buffers adopted and the trainable compute weights copied back from the FP32
+main weights. A mismatched, truncated, bit-flipped or incomplete checkpoint raises CheckpointError
+naming the checkpoint and the file, and overwrites nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -48,8 +55,11 @@ if TYPE_CHECKING:
 
 MANIFEST = "moe_manifest.json"
 LATEST = "latest"
-FORMAT = 1
+FORMAT = 1  # "sha256" / "manifest_sha256" were added compatibly: a manifest without them is checked by size
 _STEP_DIR = re.compile(r"step_(\d+)")
+_CHUNK = 8 << 20  # bytes per read when hashing
+
+log = logging.getLogger("moe_compile.train")
 
 
 @dataclass
@@ -74,6 +84,15 @@ def _rank() -> int:
 def _barrier() -> None:
     if _dist():
         dist.barrier()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (collective; pickled, so keep it small)."""
+    if not _dist():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _all_ok(ok: bool) -> bool:
@@ -135,6 +154,35 @@ def _files(path: Path) -> dict[str, int]:
             if p.is_file() and p.name != MANIFEST}
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes (read in 8 MiB chunks; hashlib releases the GIL)."""
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return h.hexdigest()
+
+
+def _manifest_sha256(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest without its own checksum, in a canonical JSON form (stable across a
+    dump/load round trip: keys sorted after JSON has made them strings)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canon = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _share(sizes: dict[str, int], world: int, rank: int) -> list[str]:
+    """This rank's files to hash when all ranks split ``sizes`` (largest first to the least loaded)."""
+    load, mine = [0] * world, []
+    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        q = min(range(world), key=lambda i: (load[i], i))
+        load[q] += sizes[rel]
+        if q == rank:
+            mine.append(rel)
+    return mine
+
+
 def _shape(v: Any) -> list[int]:
     return list(v.shape)
 
@@ -170,7 +218,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a complete checkpoint, after checking every file's presence and size."""
+    """The manifest of a complete checkpoint, after checking its own checksum and every file's presence
+    and size (file contents: :func:`verify_checkpoint`)."""
     path = Path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
@@ -181,6 +230,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e})") from e
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, this version reads {FORMAT}")
+    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_sha256(manifest):
+        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} does not match its own checksum")
     for rel, size in manifest["files"].items():
         f = path / rel
         if not f.is_file():
@@ -188,6 +239,54 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         if f.stat().st_size != size:
             raise CheckpointError(f"checkpoint {path} is truncated or damaged: file {rel} has "
                                   f"{f.stat().st_size} bytes, the manifest says {size}")
+    return manifest
+
+
+def _damaged(path: Path, manifest: dict[str, Any], files: list[str]) -> list[str]:
+    """Which of ``files`` do not hash to the manifest's SHA-256 (one line each)."""
+    want, bad = manifest.get("sha256", {}), []
+    for rel in files:
+        if rel not in want:
+            bad.append(f"file {rel} has no checksum in the manifest")
+            continue
+        try:
+            got = file_sha256(path / rel)
+        except OSError as e:
+            bad.append(f"file {rel} cannot be read ({e})")
+            continue
+        if got != want[rel]:
+            bad.append(f"file {rel} has SHA-256 {got[:16]}…, the manifest says {want[rel][:16]}… "
+                       "(its bytes changed after it was saved)")
+    return bad
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """:func:`read_manifest`, then every file's bytes against the manifest's SHA-256; returns the
+    manifest or raises CheckpointError naming the checkpoint and the first damaged file. Collective
+    when torch.distributed is up (the ranks split the files by size and agree on the verdict; every
+    rank raises the same error); a single process checks every file."""
+    path = Path(path)
+    err = ""
+    manifest: dict[str, Any] = {}
+    try:
+        manifest = read_manifest(path)
+        if "sha256" not in manifest:
+            log.warning("checkpoint %s has no file checksums (saved by an older moe_compile): only file "
+                        "sizes are checked", path)
+        else:
+            world, rank = (dist.get_world_size(), dist.get_rank()) if _dist() else (1, 0)
+            bad = _damaged(path, manifest, _share(manifest["files"], world, rank))
+            if bad:
+                err = f"checkpoint {path} is damaged: {bad[0]}"
+                if len(bad) > 1:
+                    err += f" (and {len(bad) - 1} more file(s) on this rank's share)"
+    except CheckpointError as e:
+        if not _dist():
+            raise
+        err = str(e)
+    errs = [e for e in _all_gather(err) if e]
+    if errs:
+        raise CheckpointError(errs[0])
     return manifest
 
 
@@ -219,16 +318,31 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
                               "untouched") from e
     if _fault:
         _fault("written")
-    _barrier()
+    # Each rank hashes the data files it just wrote (DCP names them __<rank>_<i>.distcp), while they
+    # are in its page cache; rank 0 hashes the rest (.metadata) and writes the manifest.
+    mine: dict[str, str] = {}
+    herr = ""
+    try:
+        mine = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.glob(f"__{_rank()}_*.distcp"))}
+    except OSError as e:
+        herr = f"rank {_rank()} could not hash its files: {type(e).__name__}: {e}"
+    hashed = _all_gather((mine, herr))  # also the barrier: every rank's files are complete
     err = ""
     if _rank() == 0:
         try:
+            if errs := [h for _, h in hashed if h]:
+                raise OSError(errs[0])
+            files = _files(tmp)
+            sums = {k: v for m, _ in hashed for k, v in m.items()}
+            sums = {rel: sums.get(rel) or file_sha256(tmp / rel) for rel in files}
             manifest = {
                 "format": FORMAT, "step": step, "data_position": data_position, "optimizer_step": opt.step_count,
                 "skipped_steps": opt.skipped_steps, "mesh": str(cm.program.mesh),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "tensors": {k: _shape(v) for k, v in state.items()}, "extra": extra or {}, "files": _files(tmp),
+                "tensors": {k: _shape(v) for k, v in state.items()}, "extra": extra or {}, "files": files,
+                "sha256": sums,
             }
+            manifest["manifest_sha256"] = _manifest_sha256(manifest)
             _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
             if _fault:
                 _fault("manifest")
@@ -302,19 +416,24 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimizer) -> TrainState:
-    """Restore model buffers, optimizer state (FP32 main + moments) and the training position from a
-    checkpoint directory or the latest one under a root, under the current mesh. Collective."""
+    """Restore model buffers, frozen parameters, optimizer state (FP32 main + moments) and the training
+    position from a checkpoint directory or the latest one under a root, under the current mesh.
+    Every file is verified against the manifest's checksums before anything is read. Collective."""
     import torch.distributed.checkpoint as dcp
 
     path = resolve_checkpoint(path)
-    manifest = read_manifest(path)
+    try:
+        manifest = verify_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; nothing was loaded") from e
     staged_opt = opt.new_state()
     full = _state(cm, opt, fresh=True, opt_state=staged_opt)
     train = _train_tensors()
     _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}})
-    params = {f"model.{n}" for n, _ in cm.model.named_parameters()}
-    # Parameters come back from the FP32 main weights (copy-back); read buffers, optimizer, position.
-    to_read = {k: v for k, v in full.items() if k not in params}
+    trainable = {f"model.{n}" for n in opt.slots}
+    # Trainable parameters come back from the FP32 main weights (copy-back); frozen ones
+    # (requires_grad=False, no main weight) from their saved values, with buffers, optimizer, position.
+    to_read = {k: v for k, v in full.items() if k not in trainable}
     to_read.update(train)
     err = ""
     try:
@@ -330,6 +449,9 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         for k, v in to_read.items():
             if k.startswith("model."):
                 own[k[len("model."):]].copy_(v.to_local() if hasattr(v, "to_local") else v)
+    for store in cm.compute_weights():  # a frozen parameter's derived caches follow its loaded value
+        if f"model.{store.name}" in to_read and store.main is None:
+            store.refresh_from()
     opt.load_state(staged_opt, int(train["train.optimizer_step"]), int(train["train.skipped_steps"]))
     return TrainState(step=int(train["train.step"]), data_position=int(train["train.data_position"]),
                       optimizer_step=opt.step_count, skipped_steps=opt.skipped_steps,
