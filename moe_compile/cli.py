@@ -93,7 +93,8 @@ def _explain_parser(sub) -> None:
     p = sub.add_parser("explain", help="plan a run: cost ledger, graphs and report, without ranks",
                        description="Compile a model for a mesh in one process (fake process group, meta tensors: "
                                    "full-size published configs need no weights) and write ledger.json, the graphs "
-                                   "and report.html to --out.")
+                                   "and report.html to --out. Pictures (SVG, PNG) need graphviz's `dot` program; "
+                                   "without it the graph sources (.dot) are written instead.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="published config: olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, deepseek-v3")
     src.add_argument("--hf-config", help="a transformers config.json (with model_type)")
@@ -130,6 +131,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  note: {n}")
     for key, path in res.files.items():
         print(f"  wrote {key}: {path}")
+    for m in res.messages:
+        print(f"moe-compile explain: {m}", file=sys.stderr)
     return 0
 
 

@@ -6,7 +6,8 @@ graphs and an HTML report (``moe-compile explain``).
     world   = a fake process group of the mesh's size, as rank r: collectives are no-ops
     compile = moe_compile(model, mesh) exactly as on a real rank; one training step on meta inputs
               captures the graphs (moe:: ops run their fake kernels on meta tensors)
-    write   = ledger.json, graphs (SVG/PNG), lease timeline (if the program has a lease plan), report.html
+    write   = ledger.json, graphs (.dot sources; SVG/PNG when graphviz's `dot` is installed), lease
+              timeline (if the program has a lease plan), report.html
 
 Routing semantics that the front end settles with a probe batch on real weights are read from
 attributes only on meta weights (the report says so); they do not change any ledger figure.
@@ -146,6 +147,7 @@ class ExplainResult:
     mesh: MeshSpec
     ledger: Any  # moe_compile.ledger.Ledger
     files: dict[str, Path] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)  # for the user (e.g. graphviz missing: no pictures)
 
 
 def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None, hf_config: str | None = None,
@@ -189,7 +191,8 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
         from .explain_report import write_outputs
 
         result.files = write_outputs(cm, led, out, name=name, rank=rank, seq_len=seq_len, batch_size=batch_size,
-                                     png=png, max_nodes=max_nodes, published=_published_note(hf))
+                                     png=png, max_nodes=max_nodes, published=_published_note(hf),
+                                     messages=result.messages)
         return result
     finally:
         if cm is not None:

@@ -1,5 +1,10 @@
-"""What ``moe-compile explain`` writes: ledger.json, the graphs (SVG, PNG), the lease timeline and
-report.html. Shared by the CLI and by anyone holding a compiled model (``write_outputs(cm, …)``)."""
+"""What ``moe-compile explain`` writes: ledger.json, the graphs (their graphviz sources .dot, and SVG,
+PNG drawn from them), the lease timeline and report.html. Shared by the CLI and by anyone holding a
+compiled model (``write_outputs(cm, …)``).
+
+Without graphviz's ``dot`` program (pip installs pydot, not graphviz) everything is still written
+except the SVG/PNG pictures: the report links the .dot sources instead, and one message saying how to
+install graphviz goes to ``messages``."""
 
 from __future__ import annotations
 
@@ -8,7 +13,17 @@ import json
 from pathlib import Path
 
 from .ledger import Ledger
-from .viz import Picture, bucket_reductions, build_view, timeline_svg, write_report, write_view
+from .viz import (
+    DOT_MISSING,
+    GraphvizMissing,
+    Picture,
+    bucket_reductions,
+    build_view,
+    have_dot,
+    timeline_svg,
+    write_report,
+    write_view,
+)
 from .viz.graph import groups_of
 
 
@@ -21,7 +36,9 @@ def _first_moe_layer(gm) -> str | None:
 
 def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, seq_len: int | None = None,
                   batch_size: int | None = None, png: bool = True, max_nodes: int = 350,
-                  published: str = "") -> dict[str, Path]:
+                  published: str = "", messages: list[str] | None = None) -> dict[str, Path]:
+    """Write the outputs to ``out``; returns what was written (key → path). ``messages`` (if given)
+    receives what the caller should tell the user (one line when graphviz is missing)."""
     prog = cm.program
     graphs = prog.graphs
     files: dict[str, Path] = {}
@@ -32,14 +49,22 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
     files["ledger"].write_text(json.dumps(data, indent=1))
 
     pictures: list[Picture] = []
+    drawing = have_dot()
 
     def draw(key: str, caption: str, gm, **kw) -> None:
+        nonlocal drawing
         view = build_view(gm, title=f"{name} · {caption}", max_nodes=max_nodes, pp=prog.mesh.pp, **kw)
         tag = " (collapsed per layer)" if view.collapsed else ""
-        files[key] = Path(write_view(view, str(out / f"{key}.svg")))
-        if png:
-            files[f"{key}_png"] = Path(write_view(view, str(out / f"{key}.png")))
-        pictures.append(Picture(caption + tag, files[key]))
+        files[f"{key}_dot"] = Path(write_view(view, str(out / f"{key}.dot")))
+        picture = files[f"{key}_dot"]
+        if drawing:
+            try:
+                files[key] = picture = Path(write_view(view, str(out / f"{key}.svg")))
+                if png:
+                    files[f"{key}_png"] = Path(write_view(view, str(out / f"{key}.png")))
+            except GraphvizMissing:  # gone since the lookup
+                drawing = False
+        pictures.append(Picture(caption + tag, picture))
 
     if "partitioned" in graphs:
         draw("partitioned", f"forward IR after the passes (rank {rank})", graphs["partitioned"], direction="fwd")
@@ -75,4 +100,6 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
         notes.append(published)
     files["report"] = write_report(out / "report.html", title=f"moe-compile explain: {name}", ledger=ledger,
                                    pictures=pictures, timeline=timeline, sections=sections, notes=notes)
+    if not drawing and pictures and messages is not None:
+        messages.append(DOT_MISSING)
     return files

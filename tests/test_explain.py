@@ -39,8 +39,13 @@ def test_explain_tiny_for_a_32_rank_mesh(tmp_path, capsys):
     s = data["symbols"]
     assert (s["dp"], s["ep_dp"], s["ep_mp"], s["T"]) == (32, 8, 4, 128)
     assert data["C"] == 4 * 128 * 2  # dropless: ep_mp·T·K receive rows
-    assert data["P_local"] == data["P_dense"] + data["P_E"] // 4
-    assert data["V_dense_sent"] == 2 * 31 / 32 * data["V_dense_bucket"]
+    # TinyMoEConfig() by hand (d = 64, V = 256, 256 positions, 2 layers of 8 SwiGLU experts of width 64):
+    #   dense: embed + pos + lm_head 3·256·64 = 49152, final norm 64, per layer 2 norms 128, qkv 64·192 =
+    #   12288, proj 64·64 = 4096, router 8·64 = 512 → 17024; 49152 + 64 + 2·17024 = 83264
+    #   routed: 2 layers · 8 experts · 3·64·64 = 196608; rank 5 of ep_mp = 4 holds a quarter, 49152
+    assert (data["P_dense"], data["P_E"], data["P_local"]) == (83264, 196608, 83264 + 49152)
+    # float32 dense bucket 83264·4 = 333056 B; ring all-reduce over dp = 32 sends 2·31/32 of it
+    assert (data["V_dense_bucket"], data["V_dense_sent"]) == (333056, 645296)
     assert data["run"]["rank"] == 5 and data["run"]["world"] == 32
     part, back = svg_classes(out / "partitioned.svg"), svg_classes(out / "backward.svg")
     assert {"moe-router", "moe-permute", "moe-dispatch", "moe-expert_ffn", "moe-combine", "moe-unpermute"} <= part
@@ -82,3 +87,34 @@ def test_explain_hf_config_file(tmp_path):
 def test_explain_names_bad_input(tmp_path, capsys, args, message):
     assert main(["explain", *args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_explain_without_graphviz_writes_sources_and_says_so_once(tmp_path, monkeypatch, capsys):
+    """A fresh machine: pip installs pydot but not graphviz's `dot` program. explain still writes the
+    ledger, the graph sources (.dot) and the report, says once (not per picture) how to install
+    graphviz, and exits 0 without a traceback."""
+    import pydot
+
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # no `dot` anywhere on PATH
+    out = tmp_path / "out"
+    rc = main(["explain", "--model", "tiny", "--mesh", "dp=2,ep_mp=2", "--seq-len", "16", "--dtype", "float32",
+               "--out", str(out)])
+    cap = capsys.readouterr()
+    said = cap.out + cap.err
+    assert rc == 0, said[-3000:]
+    assert "Traceback" not in said and "FileNotFoundError" not in said
+    assert said.count("`dot` program") == 1, said[-3000:]
+    assert all(f"{tool} install graphviz" in cap.err for tool in ("apt-get", "conda", "brew"))
+    assert json.loads((out / "ledger.json").read_text())["P_total"] > 0
+    for key in ("partitioned", "backward"):
+        (graph,) = pydot.graph_from_dot_file(str(out / f"{key}.dot"))  # a complete graphviz source
+        assert graph.get_subgraph_list() and f"wrote {key}_dot: {out / key}.dot" in cap.out
+        assert not (out / f"{key}.svg").exists() and not (out / f"{key}.png").exists()
+    report = (out / "report.html").read_text()
+    checker = _Checker()
+    checker.feed(report)
+    assert checker.stack == []
+    assert "apt-get install graphviz" in report and "href='partitioned.dot'" in report
+    assert (out / "timeline.svg").exists()  # plain SVG, no graphviz needed

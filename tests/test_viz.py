@@ -150,7 +150,9 @@ def test_html_report_parses(tmp_path, with_plan):
     vals = {k: 2 for k in SYMBOLS}
     vals.update(G=1, H=3, T=64, S=64)
     led = evaluate(vals, lease_plan=plan() if with_plan else None)
-    assert led["M_sym"] == (plan().symmetric_bytes if with_plan else 3 * led["C"] * 2 * 2)  # H·C·d·b_a otherwise
+    # with the plan: pools recv (slots 0, 1, 2) and send (slot 0) of 128 B a slot: (3 + 1)·128 = 512 B;
+    # without: H·C·d·b_a, C = c_f·T·K = 2·64·2 = 256 rows: 3·256·2·2 = 3072 B
+    assert led["M_sym"] == (512 if with_plan else 3072)
     pic = tmp_path / "g.svg"
     write_view(build_view(hand_graph(), title="hand"), str(pic))
     out = write_report(tmp_path / "report.html", title="t", ledger=led, pictures=[Picture("hand graph", pic)],
@@ -195,3 +197,56 @@ def test_coarsest_view_draws_one_node_per_layer(tmp_path):
     assert any("dispatch ×2" in t for t in texts)  # the dispatch and its mirror, counted in the layer
     with pytest.raises(ValueError, match="collapse='bogus'"):
         build_view(hand_graph(), collapse="bogus")
+
+
+@pytest.fixture
+def no_dot(tmp_path, monkeypatch):
+    """PATH without graphviz's `dot` (as on a machine where pip installed pydot only)."""
+    import moe_compile.viz.graph as graph
+
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setattr(graph, "_warned_missing", False, raising=False)  # warn-once state: fresh per test
+
+
+def test_missing_dot_is_a_clear_error_and_sources_still_write(tmp_path, no_dot):
+    import pydot
+
+    from moe_compile.errors import MoECompileError
+    from moe_compile.viz import GraphvizMissing
+
+    view = build_view(hand_graph(), title="hand")
+    for fmt in ("svg", "png"):
+        with pytest.raises(GraphvizMissing, match=r"apt-get install graphviz.*conda install graphviz.*brew install "
+                                                  r"graphviz") as e:
+            write_view(view, str(tmp_path / f"g.{fmt}"))
+        assert isinstance(e.value, MoECompileError) and not (tmp_path / f"g.{fmt}").exists()
+    src = write_view(view, str(tmp_path / "g.dot"))
+    (graph,) = pydot.graph_from_dot_file(src)  # a complete graphviz source, node kinds included
+    assert graph.get_subgraph_list() and 'class="moe-dispatch"' in open(src).read()
+    # the report links the source instead of a picture, and says once how to get pictures
+    led = evaluate({**{k: 2 for k in SYMBOLS}, "G": 1, "H": 3, "T": 64, "S": 64})
+    out = write_report(tmp_path / "report.html", title="t", ledger=led,
+                       pictures=[Picture("hand graph", tmp_path / "g.dot"), Picture("again", tmp_path / "g.dot")],
+                       timeline=None)
+    checker = _Checker()
+    checker.feed(out.read_text())
+    checker.close()
+    assert checker.stack == []
+    text = out.read_text()
+    assert text.count("apt-get install graphviz") == 1 and text.count("href='g.dot'") == 2
+    assert not any(t == "img" for t, _ in checker.tags)
+
+
+def test_debug_pictures_without_dot_write_sources_and_warn_once(tmp_path, no_dot):
+    cm = moe_compile(build_model("tiny", n_layers=1), MeshSpec(), debug_dir=str(tmp_path / "dbg"),
+                     debug_pictures=True)
+    ids = make_batches(1)[0]
+    with pytest.warns(UserWarning, match="`dot` program") as caught, torch.no_grad():
+        cm(input_ids=ids)
+    assert len([w for w in caught if "`dot` program" in str(w.message)]) == 1
+    after = tmp_path / "dbg" / "fwd_01_insert_dispatch_combine_after"
+    assert after.with_suffix(".py").exists() and "moe-dispatch" in after.with_suffix(".dot").read_text()
+    assert not list((tmp_path / "dbg").glob("*.svg"))
+    cm.close()

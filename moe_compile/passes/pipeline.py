@@ -58,10 +58,14 @@ def _dump(debug_dir: Path, name: str, gm: fx.GraphModule, diff: dict | None = No
         text = "# op-count diff: " + repr(dict(sorted(diff.items()))) + "\n" + text
     (debug_dir / f"{name}.py").write_text(text)
     if pictures:  # optional: graphviz layout costs about a second per few hundred nodes
-        from ..viz import build_view, write_view
+        from ..viz import GraphvizMissing, build_view, warn_dot_missing, write_view
 
         view = build_view(gm, title=name, highlight=[s.split(":")[0] for s in nodes[0]] if nodes else ())
-        write_view(view, str(debug_dir / f"{name}.svg"))
+        try:
+            write_view(view, str(debug_dir / f"{name}.svg"))
+        except GraphvizMissing:  # no `dot` program: the graph source instead, and one warning
+            write_view(view, str(debug_dir / f"{name}.dot"))
+            warn_dot_missing()
 
 
 __all__ = ["FORWARD_PASSES", "JOINT_PASSES", "Stage", "run_passes"]

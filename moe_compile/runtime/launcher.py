@@ -4,6 +4,12 @@ Used by ``moe-compile train`` when it is not run under torchrun, and by the test
 gets a FileStore in a fresh temporary directory, a timeout on initialisation and on the whole run,
 and a barrier before teardown. When a rank fails, its own traceback is reported first (the other
 ranks' errors are usually consequences: a peer that vanished mid-collective).
+
+Shared-memory segments are the runtime's to free (the host heap unlinks every name as soon as all
+members mapped it). After the ranks exit the launcher removes whatever the job's prefix still names
+(a rank killed mid-allocation) and reports it: into the caller's ``cleaned`` list when one is given
+(and ``RankFailure.cleaned``), else as a warning and a line in the file ``$MOE_COMPILE_SHM_CLEANUP_LOG``
+names (the test suite fails on such lines). For a normal run the report is empty.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import tempfile
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -26,12 +33,15 @@ import torch.multiprocessing as mp
 
 from .symmetric.host import cleanup_prefix, job_prefix
 
+CLEANUP_LOG_ENV = "MOE_COMPILE_SHM_CLEANUP_LOG"  # a file: one line per segment the launcher had to remove
+
 
 class RankFailure(RuntimeError):
     """One or more ranks failed; the message starts with the first failing rank's traceback."""
 
-    def __init__(self, failures: list[tuple[int, str]], note: str = "") -> None:
+    def __init__(self, failures: list[tuple[int, str]], note: str = "", cleaned: list[str] | None = None) -> None:
         self.failures = failures
+        self.cleaned = list(cleaned or [])  # shared-memory segments the launcher removed after the ranks
         first_rank, first_tb = failures[0] if failures else (-1, "")
         parts = [f"rank {first_rank} failed first:\n{first_tb}"] if failures else []
         parts += [f"rank {r} also failed:\n{tb}" for r, tb in failures[1:]]
@@ -66,9 +76,26 @@ def _worker(rank: int, world: int, store_dir: str, fn: Callable, args: tuple, q:
     dist.destroy_process_group()
 
 
+def _report_cleanup(job: str, fn: Callable, removed: list[str], cleaned: list[str] | None) -> None:
+    if cleaned is not None:
+        cleaned.extend(removed)
+        return
+    if not removed:
+        return
+    what = getattr(fn, "__qualname__", repr(fn))
+    warnings.warn(f"moe_compile launcher: the ranks of job {job} ({what}) left {len(removed)} shared-memory "
+                  f"segment(s), removed now: {removed}", RuntimeWarning, stacklevel=3)
+    log = os.environ.get(CLEANUP_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write("".join(f"{job} {what} {name}\n" for name in removed))
+
+
 def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, init_timeout: float = 120.0,
-                env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results."""
+                env: dict[str, str] | None = None, cleaned: list[str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
+    ``cleaned``: receives the names of the shared-memory segments the launcher had to remove after the
+    ranks exited (empty when the runtime freed its own; see the module docstring)."""
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="moe_compile_store_")
     env = dict(env or {})
@@ -138,8 +165,9 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.
         shutil.rmtree(store_dir, ignore_errors=True)
         # Symmetric-memory segments are unlinked once mapped; a rank killed mid-allocation can still
         # leave one behind, so remove whatever this job's prefix names.
-        cleanup_prefix(job_prefix(job) + "_")  # "_": job "a1" must not match job "a12"
+        removed = cleanup_prefix(job_prefix(job) + "_")  # "_": job "a1" must not match job "a12"
+        _report_cleanup(job, fn, removed, cleaned)
     if failures or note:
         failures.sort()
-        raise RankFailure([(r, tb) for _, r, tb in failures], note)
+        raise RankFailure([(r, tb) for _, r, tb in failures], note, removed)
     return [results[r] for r in range(world_size)]

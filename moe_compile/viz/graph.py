@@ -19,7 +19,9 @@ from __future__ import annotations
 import html
 import operator
 import re
+import shutil
 import subprocess
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,12 +30,16 @@ import pydot
 import torch
 import torch.fx as fx
 
+from ..errors import MoECompileError
 from ..ir import MOE_META
 from .style import LOOKS, is_mirror, kind_of, node_attrs
 
 _DT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64", torch.int64: "i64",
        torch.int32: "i32", torch.bool: "bool", torch.uint8: "u8"}
 _LAYER = re.compile(r"^((?:[^.]+\.)*?\d+)(?:\.|$)")
+DOT_MISSING = ("pictures (SVG, PNG) need graphviz's `dot` program, which is not on PATH (pip installs pydot, "
+               "not graphviz): install it with `apt-get install graphviz`, `conda install graphviz` or "
+               "`brew install graphviz`; graph sources (.dot) are written without it")
 KEEP = {"router", "permute", "unpermute", "dispatch", "combine", "expert_ffn", "routed_experts", "lease_acquire",
         "lease_release", "cast", "collective", "output"}
 
@@ -295,9 +301,30 @@ def _legend(dot: pydot.Dot, kinds: Counter) -> None:
     dot.add_subgraph(lg)
 
 
+class GraphvizMissing(MoECompileError, RuntimeError):
+    """An SVG or PNG was asked for, and graphviz's ``dot`` program is not on PATH."""
+
+
+def have_dot() -> bool:
+    """Whether graphviz's ``dot`` program (needed for SVG and PNG, not for .dot sources) is on PATH."""
+    return shutil.which("dot") is not None
+
+
+_warned_missing = False
+
+
+def warn_dot_missing() -> None:
+    """Warn (once per process) that pictures are skipped for want of ``dot``."""
+    global _warned_missing
+    if not _warned_missing:
+        _warned_missing = True
+        warnings.warn(DOT_MISSING, stacklevel=2)
+
+
 def write_view(view: GraphView, path: str, fmt: str | None = None, dpi: int = 60, timeout: float = 300.0) -> str:
     """Write ``view`` as svg / png / dot (by suffix, or ``fmt``); returns the path. PNGs render at ``dpi``
-    (large bitmaps are slow to rasterise; SVG is the format to zoom)."""
+    (large bitmaps are slow to rasterise; SVG is the format to zoom). SVG and PNG need graphviz's
+    ``dot`` program (:class:`GraphvizMissing` without it); a .dot source needs nothing."""
     fmt = fmt or str(path).rsplit(".", 1)[-1]
     if fmt not in ("svg", "png", "dot"):
         raise ValueError(f"{path}: graph format must be svg, png or dot, got {fmt!r}")
@@ -305,6 +332,8 @@ def write_view(view: GraphView, path: str, fmt: str | None = None, dpi: int = 60
         with open(path, "w") as f:
             f.write(view.dot.to_string())
     else:
+        if not have_dot():
+            raise GraphvizMissing(f"{path}: {DOT_MISSING}")
         if fmt == "png":
             view.dot.set("dpi", str(dpi))
         src = view.dot.to_string()
@@ -312,8 +341,8 @@ def write_view(view: GraphView, path: str, fmt: str | None = None, dpi: int = 60
         try:
             res = subprocess.run(["dot", f"-T{fmt}", "-o", str(path)], input=src.encode(), capture_output=True,
                                  timeout=timeout)
-        except FileNotFoundError:
-            raise RuntimeError("graphviz `dot` is not installed (apt-get install graphviz)") from None
+        except FileNotFoundError:  # gone between the lookup and the call
+            raise GraphvizMissing(f"{path}: {DOT_MISSING}") from None
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{path}: graphviz layout of {view.nodes} nodes took over {timeout:.0f}s; draw a "
                                "coarser view (collapse='layers') or one layer (only_group=...)") from None

@@ -1,6 +1,7 @@
 """HTML report: the ledger table, the graphs, the lease timeline, and what the compiler decided
 (MoE blocks, pass op-count diffs, gradient buckets). One self-contained file: pictures are inlined
-as SVG (a very large one is linked instead)."""
+as SVG (a very large one is linked instead); a picture given as its graph source (.dot, graphviz's
+``dot`` program missing) is linked with a note saying how to install graphviz and draw it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ledger import Ledger
+from .graph import DOT_MISSING
 
 INLINE_LIMIT = 3 * 2**20
 CSS = """
@@ -25,7 +27,7 @@ td.f{font-family:monospace;font-size:11px;color:#374151} .note{color:#92400e}
 @dataclass
 class Picture:
     caption: str
-    path: Path  # an SVG (inlined) or PNG (linked)
+    path: Path  # an SVG (inlined), a PNG (linked) or a graph source .dot (linked, not drawn)
 
 
 def _svg_inline(path: Path) -> str:
@@ -59,12 +61,19 @@ def write_report(path: str | Path, *, title: str, ledger: Ledger, pictures: list
     out.append("<h2>Cost ledger</h2>")
     out.append(ledger_table(ledger))
     out.append("<h2>Graphs</h2>")
+    if any(pic.path.suffix == ".dot" for pic in pictures):
+        out.append(f"<p class='note dot-missing'>{html.escape(DOT_MISSING)}.</p>")
     for pic in pictures:
         out.append(f"<h3>{html.escape(pic.caption)}</h3>")
-        if pic.path.suffix == ".svg" and pic.path.stat().st_size <= INLINE_LIMIT:
+        rel = pic.path.name if pic.path.parent == path.parent else str(pic.path)
+        if pic.path.suffix == ".dot":
+            svg = pic.path.with_suffix(".svg").name
+            out.append(f"<p class='note'>not drawn (no graphviz `dot`); graph source: "
+                       f"<a href='{html.escape(rel)}'>{html.escape(pic.path.name)}</a> (draw it with "
+                       f"<code>dot -Tsvg {html.escape(pic.path.name)} -o {html.escape(svg)}</code>)</p>")
+        elif pic.path.suffix == ".svg" and pic.path.stat().st_size <= INLINE_LIMIT:
             out.append(f"<div class='pic'>{_svg_inline(pic.path)}</div>")
         else:
-            rel = pic.path.name if pic.path.parent == path.parent else str(pic.path)
             out.append(f"<div class='pic'><a href='{html.escape(rel)}'><img src='{html.escape(rel)}' "
                        f"alt='{html.escape(pic.caption)}'></a></div>")
     out.append("<h2>Lease timeline</h2>")
