@@ -3,6 +3,7 @@ and the figures they print obey the invariants the README quotes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -35,3 +36,35 @@ def test_mxfp8_benchmark_runs_and_halves_dispatch_bytes():
     ratios = [float(x) for x in re.findall(r"ratio (\d+\.\d+)", out)]
     assert len(ratios) == 2 and all(abs(r - 33 / 64) < 1e-4 for r in ratios), out  # (d + d/32) bytes / 2d
     assert re.search(r"final-loss difference [+-]\d+\.\d+%", out), out
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_writes_one_json_per_part(tmp_path):
+    """benchmarks/gpu_check.py --smoke: every part's CPU fallback passes and leaves its JSON (the GPU
+    run writes the same files); without a GPU the plain command says so and exits 0."""
+    import torch
+
+    run_script("gpu_check.py", "--smoke", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["smoke"] and summary["ok"], summary
+    assert list(summary["parts"]) == ["env", "nvshmem", "train_step", "kernel_tests", "kernel_bench"], summary
+    parts = {p: json.loads((tmp_path / f"{p}.json").read_text()) for p in summary["parts"]}
+    assert parts["kernel_bench"]["status"] == "skipped"  # gpu_kernels.py --smoke: tests/test_codegen.py
+    for p in ("env", "nvshmem", "train_step", "kernel_tests"):
+        assert parts[p]["status"] == "ok", parts[p]
+        assert parts[p]["wall_seconds"] > 0 and parts[p]["returncode"] == 0, parts[p]
+    env = parts["env"]["result"]
+    assert env["torch"] == torch.__version__ and env["triton"] and "nvshmem4py" in env
+    nv = parts["nvshmem"]["result"]
+    assert nv["heap"] == "host_shm" and nv["round_trips"] == [True] * 3, nv
+    if not torch.cuda.is_available():
+        assert "needs a CUDA device" in nv["no_gpu_error"], nv
+    ts = parts["train_step"]["result"]
+    assert ts["codegen"] == "triton" and ts["device"] == "cpu" and "grouped_mm_kernel" in ts["kernels"], ts
+    assert ts["loss_rel_err"] <= 1e-6 and ts["grad_rel_err_max"] <= 1e-5, ts
+    kt = parts["kernel_tests"]["result"]
+    assert kt["tests"] >= 5 and kt["failures"] == kt["errors"] == 0 and kt["device"] == "cpu", kt
+    assert any("offsets_are_int64" in t for t in kt["per_test"]), kt
+    if not torch.cuda.is_available():
+        plain = run_script("gpu_check.py", "--out", str(tmp_path / "plain"))
+        assert "no GPU" in plain and json.loads((tmp_path / "plain" / "summary.json").read_text())["ok"], plain

@@ -62,9 +62,9 @@ class SymmetricTransport(Transport):
         lease = self.leases.acquire(name)
         self.heap.barrier()  # every member's matrix slot is acquired
         row = counts.unsqueeze(0)
-        me = torch.tensor([self.ep_rank])
+        me = self.ep_rank
         for p in range(self.ep_size):
-            lease.peer(p).index_copy_(0, me, row)  # PUT my requested row into every member's matrix
+            lease.peer(p)[me: me + 1].copy_(row)  # PUT my requested row into every member's matrix (any device)
         self.heap.barrier()
         out = lease.local.clone()
         self.heap.barrier()  # everyone has read the matrix before the slot can be reused
@@ -98,6 +98,8 @@ class SymmetricTransport(Transport):
             peers[d][d0: d0 + n].copy_(xs[s0: s0 + n])  # PUT into the destination's receive rows
         self.heap.barrier()  # every row landed
         self._count(what, xs, plan.send_splits, plan.me)  # segment rows per destination = send_splits
+        if lease.payload.leased:  # the lease also ends if backward's graph is dropped unrun
+            return self.leases.bind(lease, lease.local)
         return lease.local
 
     def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:

@@ -5,6 +5,10 @@ Tutorial shape: the @triton.jit kernels, their launchers, and the torch referenc
 (``moe_compile.mxfp8.quantize_packed`` and ``moe_compile.ops.mx.mx_grouped_mm``); tests/test_mxfp8.py
 compares them under the Triton interpreter on CPU.
 
+Offsets are int64 (``_offsets``, ``_matrix_base``): packed expert weights pass 2^31 bytes at
+DeepSeek-V3 sizes. Divisions are correctly rounded (``tl.div_rn``; a plain ``/`` compiles to an
+approximate fp32 division on GPUs), so scales and elements equal torch's bit for bit natively too.
+
 Like every kernel family it is imported through ``triton_mode.kernel_module("mxfp8")`` (or the
 ``kernels`` package), which fixes the Triton mode first. Only builtins are used inside the kernels
 (``tl.reduce`` with triton's max combiner rather than ``tl.max``): torch imports triton before the
@@ -66,7 +70,7 @@ def _quantize_tile(x, RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
     has_nan = tl.reduce((xb != xb).to(tl.int32), 2, tl.standard._elementwise_max) > 0
     amax = tl.where(has_nan, float("nan"), amax)
     if RCEIL:
-        descale = amax / 448.0
+        descale = tl.div_rn(amax, 448.0)  # correctly rounded, as torch's division (exponent bits below)
         bits = descale.to(tl.int32, bitcast=True)
         exp = ((bits >> 23) & 0xFF) - 127
         mant = bits & 0x7FFFFF
@@ -86,18 +90,32 @@ def _quantize_tile(x, RCEIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.co
         e = tl.minimum(tl.maximum(((bits >> 23) & 0xFF) - 127 - 8, -127), 128) + 127
         e = tl.where(amax != amax, 255, e)
         scale = tl.maximum((e << 23).to(tl.float32, bitcast=True), 2.0**-126)
-        y = tl.reshape(xb / scale[:, :, None], (BLOCK_M, BLOCK_K))
+        y = tl.reshape(tl.div_rn(xb, scale[:, :, None]), (BLOCK_M, BLOCK_K))  # correctly rounded, as torch's
     y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # saturate; NaN stays NaN
     return _e4m3_bits(y), e
 
 
 @triton.jit
+def _offsets(rows, cols, stride):
+    """Element offsets [rows, cols] of a row-major tile, in int64: packed operands reach 2^31 bytes
+    (DeepSeek-V3's w_in with ~70 local experts: G·N·(K + K/32) = 70·4096·7392), where int32 products
+    of a row index and a stride wrap around."""
+    return rows.to(tl.int64)[:, None] * stride + cols[None, :]
+
+
+@triton.jit
+def _matrix_base(g, stride):
+    """Offset of matrix ``g`` of a [G, …] tensor, in int64 (as ``_offsets``)."""
+    return g.to(tl.int64) * stride
+
+
+@triton.jit
 def _store_packed(out_ptr, q, e, rows, pid_k, M, K, stride_o, BLOCK_K: tl.constexpr):
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], q.to(tl.uint8),
+    tl.store(out_ptr + _offsets(rows, cols, stride_o), q.to(tl.uint8),
              mask=(rows[:, None] < M) & (cols[None, :] < K))
     scols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    tl.store(out_ptr + rows[:, None] * stride_o + K + scols[None, :], e.to(tl.uint8),
+    tl.store(out_ptr + _offsets(rows, K + scols, stride_o), e.to(tl.uint8),
              mask=(rows[:, None] < M) & (scols[None, :] < K // 32))
 
 
@@ -111,9 +129,9 @@ def _quantize_kernel(x_ptr, out_ptr, M, K, stride_x, stride_o, ACT: tl.constexpr
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + _offsets(rows, cols, stride_x), mask=mask, other=0.0).to(tl.float32)
     if GATED:
-        u = tl.load(x_ptr + rows[:, None] * stride_x + K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + _offsets(rows, K + cols, stride_x), mask=mask, other=0.0).to(tl.float32)
         x = gated_fwd(x, u, ACT, DT)
     elif ACT != "none":
         x = round_(act_fwd(x, ACT), DT)
@@ -153,22 +171,20 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K,
     rmask = rows < g_end
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
+    b_base = b_ptr + _matrix_base(group, stride_bg)  # int64: G·N·(K + K/32) passes 2^31 (see _offsets)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # builtin (tl.zeros is a stdlib jit fn)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         ss = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         kmask = ks < K
         smask = ss < K // 32
-        a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
-        a_s = tl.load(a_ptr + rows[:, None] * stride_a + K + ss[None, :], mask=rmask[:, None] & smask[None, :],
-                      other=127)
-        b = tl.load(b_ptr + group * stride_bg + cols[:, None] * stride_bn + ks[None, :],
-                    mask=cmask[:, None] & kmask[None, :], other=0)
-        b_s = tl.load(b_ptr + group * stride_bg + cols[:, None] * stride_bn + K + ss[None, :],
-                      mask=cmask[:, None] & smask[None, :], other=127)
+        a = tl.load(a_ptr + _offsets(rows, ks, stride_a), mask=rmask[:, None] & kmask[None, :], other=0)
+        a_s = tl.load(a_ptr + _offsets(rows, K + ss, stride_a), mask=rmask[:, None] & smask[None, :], other=127)
+        b = tl.load(b_base + _offsets(cols, ks, stride_bn), mask=cmask[:, None] & kmask[None, :], other=0)
+        b_s = tl.load(b_base + _offsets(cols, K + ss, stride_bn), mask=cmask[:, None] & smask[None, :], other=127)
         acc = tl.dot_scaled(a, a_s, "e4m3", tl.trans(b), b_s, "e4m3", acc)
     c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + rows[:, None] * stride_c + cols[None, :], c, mask=rmask[:, None] & cmask[None, :])
+    tl.store(c_ptr + _offsets(rows, cols, stride_c), c, mask=rmask[:, None] & cmask[None, :])
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, out_dtype: torch.dtype,

@@ -44,6 +44,12 @@ class SymmetricHeap(ABC):
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricBuffer:
         """Collective over the EP group: every member allocates the same shape."""
 
+    def reserve(self, nbytes: int) -> None:
+        """Collective: ``nbytes`` are about to be allocated (a lease plan's pools, before the first of
+        them). Heaps with a fixed capacity size themselves from it or check it fits (NVSHMEM); heaps
+        that map memory per allocation ignore it."""
+        return None
+
     @abstractmethod
     def barrier(self) -> None:
         """All members reach this point; writes before it are visible to every member after it."""
