@@ -174,3 +174,34 @@ def unnamed_backend_worker(rank, world, store_file):
 def test_unnamed_backend_trains_on_the_models_device(tmp_path):
     for r in run_ranks(unnamed_backend_worker, 2, str(tmp_path / "store")):
         assert r["backend"] == "undefined" and r["device"] == "cpu" and r["err"] <= 1e-5, r
+
+
+# -- frozen routed experts keep requires_grad through canonicalisation ----------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_stacked"])
+def test_frozen_experts_stay_frozen(name):
+    from moe_compile.errors import UnsupportedFeatureError
+
+    model = build_model(name)
+    block = model.layers[0].mlp
+    for p in block.experts.parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    batch = make_batches(1, seed=7)[0]
+    ref(batch, labels=batch).loss.backward()
+    cm = moe_compile(model)
+    cm(batch, labels=batch).loss.backward()
+    params = dict(cm.model.named_parameters())
+    frozen = [n for n in params if n.startswith("layers.0.mlp.experts.")]
+    assert frozen and all(not params[n].requires_grad and params[n].grad is None for n in frozen)
+    trained = [n for n in params if n.startswith("layers.1.mlp.experts.")]
+    assert trained and all(params[n].requires_grad and params[n].grad is not None for n in trained)
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    got = cm.full_grads()
+    assert max(rel_err(got[n], grads[n]) for n in grads) <= 1e-5
+
+    mixed = build_model(name)
+    next(mixed.layers[0].mlp.experts.parameters()).requires_grad_(False)
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp\.experts: some routed-expert weights are frozen"):
+        moe_compile(mixed)

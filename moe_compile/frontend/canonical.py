@@ -40,10 +40,19 @@ class ExpertWeights(nn.Module):
     """Canonical routed-expert weights of one block: w_in [L, F, d] (gate_up_proj or up_proj) and
     w_out [L, d, h] (down_proj), L = num_local_experts."""
 
-    def __init__(self, w_in: torch.Tensor, w_out: torch.Tensor, gated: bool) -> None:
+    def __init__(self, w_in: torch.Tensor, w_out: torch.Tensor, gated: bool, requires_grad: bool = True) -> None:
         super().__init__()
-        setattr(self, "gate_up_proj" if gated else "up_proj", nn.Parameter(w_in))
-        self.down_proj = nn.Parameter(w_out)
+        setattr(self, "gate_up_proj" if gated else "up_proj", nn.Parameter(w_in, requires_grad=requires_grad))
+        self.down_proj = nn.Parameter(w_out, requires_grad=requires_grad)
+
+
+def _frozen_flag(experts: nn.Module, where: str) -> bool:
+    """requires_grad of the weights being stacked: one flag, since a stacked tensor has one."""
+    flags = {p.requires_grad for p in experts.parameters()}
+    if len(flags) > 1:
+        raise UnsupportedFeatureError(f"{where}: some routed-expert weights are frozen (requires_grad=False) and "
+                                      "others are not; stacking them into one tensor needs one setting")
+    return flags.pop() if flags else True
 
 
 def expert_tensors(experts: nn.Module, spec: MoEBlockSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +127,7 @@ def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: tor
         token = ("fused", saved)
     else:
         token = ("module", experts)
-        experts = ExpertWeights(w_in, w_out, spec.experts.gated)
+        experts = ExpertWeights(w_in, w_out, spec.experts.gated, _frozen_flag(experts, f"{spec.path}.{spec.experts_attr}"))
         setattr(block, spec.experts_attr, experts)
     if spec.mode == "components":
         router = getattr(block, spec.router_attr)
