@@ -17,8 +17,9 @@ Forwards in flight: each forward graph claims a free *instance* of its plan's le
 whose leases have all ended) and writes its leased payloads into that instance's slots; more forwards
 than the plan's H raise. A backward graph finds its forward's instance from the saved payloads it
 receives (their addresses lie in that instance's slots). A lease ends at its release node, or when
-its autograd graph is freed without a backward (evaluation without ``no_grad``, a dropped loss): a
-finalizer on the payload tensor backward would have read. A graph that raised leaves transient leases
+its autograd graph is freed without a backward (evaluation without ``no_grad``, a dropped loss): the
+payload backward would read is a tensor with a storage of its own, whose finalizer queues the lease,
+and the next graph start ends it (finalizers run at any allocation, so they only queue). A graph that raised leaves transient leases
 held; the next graph of the plan reclaims them (graphs never interleave, so none can be live then).
 """
 
@@ -135,6 +136,7 @@ class LeaseRuntime:
         self.live: dict[tuple[int, str], int] = {}  # (stage, family) → live leases now
         self.observed_high_water: dict[tuple[int, str], int] = {}
         self.fault: LeaseFault | None = None
+        self._orphans: list[Lease] = []  # leases whose autograd graph was freed unrun (ended at _drain)
 
     # -- plans --------------------------------------------------------------------------------
     def install(self, plan: LeasePlan) -> int:
@@ -154,6 +156,7 @@ class LeaseRuntime:
             raise RuntimeFault(f"lease plan {plan_id} was never installed in this runtime")
         self.active = plan_id
         plan = self.plans[plan_id]
+        self._drain()
         if not plan.payloads:
             return
         if not any(k[0] == plan_id for k in self.pools):
@@ -194,6 +197,7 @@ class LeaseRuntime:
                 return free[0]
             if attempt == 0:
                 gc.collect()  # a freed autograd graph caught in a reference cycle ends its leases here
+                self._drain()
         raise RuntimeFault(
             f"{n + 1} forwards in flight, but the lease plan provisions {n} (forwards_in_flight={n}): "
             f"{n} earlier forward(s) still hold their leases because their autograd graphs are alive and "
@@ -259,9 +263,9 @@ class LeaseRuntime:
         pool.generation[slot] += 1
         lease = Lease(p, pool, slot, pool.generation[slot], key)
         self.held[key] = lease
-        key = (p.stage, p.family)
-        self.live[key] = self.live.get(key, 0) + 1
-        self.observed_high_water[key] = max(self.observed_high_water.get(key, 0), self.live[key])
+        fam = (p.stage, p.family)
+        self.live[fam] = self.live.get(fam, 0) + 1
+        self.observed_high_water[fam] = max(self.observed_high_water.get(fam, 0), self.live[fam])
         if self.fault and self.fault.kind == "release_early" and self.fault.payload == name:
             self.release(name)
         return lease
@@ -275,8 +279,13 @@ class LeaseRuntime:
         return region.tensor().view(t.dtype).view(t.shape)
 
     def _orphaned(self, lease: Lease) -> None:
-        if self.held.get(lease.key) is lease:
-            self._end(lease.key, lease)
+        self._orphans.append(lease)
+
+    def _drain(self) -> None:
+        while self._orphans:
+            lease = self._orphans.pop()
+            if self.held.get(lease.key) is lease:  # not released explicitly (nor re-acquired) since
+                self._end(lease.key, lease)
 
     def check(self, name: str) -> Lease:
         """Guard a read: the payload's lease is live and its slot still holds this generation."""
@@ -310,6 +319,7 @@ class LeaseRuntime:
 
     def in_flight(self, plan_id: int | None = None) -> int:
         """Forwards whose leases are still held (of ``plan_id``, or of the active plan)."""
+        self._drain()
         return len(self._busy(self.active if plan_id is None else plan_id))
 
     # -- inspection ----------------------------------------------------------------------------
