@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
+import types
 from typing import Any
 
 import torch
@@ -31,15 +33,33 @@ from .runtime.symmetric import make_heap
 from .runtime.symmetric_transport import SymmetricTransport
 from .train import MultiGroupDistributedDataParallel, ParamFamily
 
+# Recompiles of one CompiledMoE (input shapes, train/eval, grad mode) before torch.compile gives up on
+# it; with fullgraph (the default) going past it is a FailOnRecompileLimitHit, never a silent eager run.
+RECOMPILE_LIMIT = 64
+_entry_ids = itertools.count()
 
-def _configure_dynamo() -> None:
-    # Each CompiledMoE is its own cache entry of the model class's forward; never fall back to eager
-    # silently when many are compiled in one process.
-    import torch._dynamo.config as dc
 
-    dc.recompile_limit = max(dc.recompile_limit, 64)
-    dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 1024)
-    dc.fail_on_recompile_limit_hit = True
+def _capture_entry(model: nn.Module):
+    """The function torch.compile captures for one CompiledMoE: it calls ``model``, and its code object
+    is its own.
+
+    Dynamo keeps its cache entries, recompile counts and frame decisions (skip, run-only) on code
+    objects. A model's forward code (with transformers' forward decorators) is shared by every
+    instance of its class and every torch.compile of one in the process, so compiling ``model`` itself
+    would let the user's other compiles (a reference or eval copy) decide for this one: a copy that
+    exhausts its recompile limit leaves that code run-only (this program would never compile), one
+    that gives up on those frames leaves them skipped (this program would be captured piecemeal, below
+    transformers' output capturing). The model's own code is inlined into this entry, and no global
+    dynamo setting is changed.
+    """
+
+    def moe_entry(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    code = moe_entry.__code__
+    name = f"{code.co_name}_{next(_entry_ids)}"
+    code = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
+    return types.FunctionType(code, moe_entry.__globals__, name, None, moe_entry.__closure__)
 
 
 def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options: Any) -> CompiledMoE:
@@ -89,8 +109,8 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
             get_context(ctx_id).weight_stores[(name, "w")] = store
     ddp = _reducer(model, program, groups) if groups is not None else None
     prepare_for_capture(model)
-    _configure_dynamo()
-    compiled = torch.compile(model, backend=MoEBackend(program), fullgraph=opts.fullgraph, dynamic=False)
+    compiled = torch.compile(_capture_entry(model), backend=MoEBackend(program), fullgraph=opts.fullgraph,
+                             dynamic=False, recompile_limit=RECOMPILE_LIMIT)
     return CompiledMoE(model, program, groups, ddp, compiled)
 
 
