@@ -60,15 +60,30 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [getattr(c.block, c.router_attr) for c in find_candidates(model)]
 
 
+SKEW_COMPONENT = 0.1  # hidden dim 0 of every token embedding (the other entries: init std 0.02)
+SKEW_PENALTY = 5.0  # router weight on that dim of every expert outside [0, num_first)
+
+
 def skew_to_first_experts(model: nn.Module, num_first: int) -> None:
-    """Make every token route to experts [0, num_first): a constant component on hidden dim 0
-    (added to the token embeddings) that the routers reward for those experts only."""
+    """Make every token route to experts [0, num_first), keeping the problem well conditioned.
+
+    Every token embedding gets the same moderate component on hidden dim 0 (SKEW_COMPONENT, a few times
+    the other entries; after the RMS norm, dim 0 is ≈ 4 against ≈ 1 elsewhere), and the routers
+    *penalise* the other experts on it (−SKEW_PENALTY) while giving experts [0, num_first) weight 0
+    there. So the experts that win keep the model's own logits: their scores and score gaps stay at the
+    model's scale, far from fp32 rounding, and the choice among them is not a near-tie.
+
+    (The former construction — +20 on dim 0, router weight +5 for the winners — put every winning logit
+    at ≈ 40 ± 10⁻³, where fp32's spacing is 3.8·10⁻⁶: exact top-k ties, and gradients made of cancelling
+    terms, e.g. a layer-1 RMSNorm weight gradient of size 2·10⁻⁸ whose fp32 value differs from fp64 by
+    1.6·10⁻³ relative. Whether a run passed the 10⁻⁵ parity tolerance then depended on which CPU
+    kernels (AVX-512 or AVX2) summed the reference; tests/test_drop_rule.py checks the conditioning.)"""
     with torch.no_grad():
         emb = next(m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= VOCAB)
-        emb.weight[:, 0] += 20.0
+        emb.weight[:, 0] = SKEW_COMPONENT
         for r in routers(model):
-            r.weight[:num_first, 0] = 5.0
-            r.weight[num_first:, 0] = -5.0
+            r.weight[:num_first, 0] = 0.0
+            r.weight[num_first:, 0] = -SKEW_PENALTY
 
 
 def dense_reference(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -114,14 +129,15 @@ def apply_reference_drops(model: nn.Module, world: int, ep_mp: int, capacity_fac
     """Patch the dense model so each MoE block drops what the compiled run drops. The model must be
     run on all ranks' batches at once (torch.cat along the batch dim, rank-major)."""
     import math
+    from decimal import Decimal
 
     from moe_compile.frontend.recognize import find_candidates
 
     for c in find_candidates(model):
         block, experts, n = c.block, getattr(c.block, c.experts_attr), c.experts.num_experts
 
-        def cap_for(idx):
-            return max(1, math.ceil(capacity_factor * (idx.shape[0] // world) * idx.shape[1]))
+        def cap_for(idx):  # ⌈cf·T·K⌉ of the decimal cf as written (1.1·90 = 99), in decimal arithmetic
+            return math.ceil(Decimal(repr(capacity_factor)) * (idx.shape[0] // world) * idx.shape[1])
 
         if c.router_kind == "hf":  # transformers block: experts(hidden, top_k_index, top_k_weights)
             orig = experts.forward

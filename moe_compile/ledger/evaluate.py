@@ -19,6 +19,7 @@ import sympy as sp
 import torch
 
 from ..ir import MOE_META, Role
+from ..runtime.route_plan import exact_capacity_factor
 from .formulas import FORMULAS, fig
 from .memory import GraphMemory, graph_memory
 from .model_counts import LedgerError, MoEShape, ParamCounts, count_params, dtype_bytes, moe_shape
@@ -193,10 +194,19 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
     return v, notes
 
 
+def _exact(name: str, v):
+    """A value as sympy substitutes it. The capacity factor is the decimal the user wrote, as the dispatch
+    pass reads it (runtime.route_plan.exact_capacity_factor: 1.1 → 11/10), so the figure
+    C = ceiling(c_f·T·K) equals the receive-buffer rows the pass allocates (capacity_rows)."""
+    if name == "c_f" and not isinstance(v, sp.Basic):
+        f = exact_capacity_factor(v)
+        return sp.Rational(f.numerator, f.denominator)
+    return sp.nsimplify(v) if isinstance(v, float) else v
+
+
 def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | None = None, lease_plan=None,
              notes: list[str] | None = None) -> Ledger:
-    subs = {SYMBOLS[k].symbol: sp.nsimplify(v) if isinstance(v, float) else v
-            for k, v in values.items() if v is not None and k in SYMBOLS}
+    subs = {SYMBOLS[k].symbol: _exact(k, v) for k, v in values.items() if v is not None and k in SYMBOLS}
     figures: dict[str, Figure] = {}
     for name, f in FORMULAS.items():
         expr = formula(name).subs(subs)

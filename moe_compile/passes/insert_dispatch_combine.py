@@ -1,8 +1,9 @@
 """insert_dispatch_combine — replace each logical routed-experts node by explicit token movement.
 
 Terms: T tokens on this rank, K = top_k, R = T·K routed rows, capacity = receive-buffer rows
-(ep_mp·R when dropless: no request can exceed it; ceil(capacity_factor·R) otherwise, with the
-rank-level deterministic tail drop of :mod:`moe_compile.runtime.route_plan`).
+(ep_mp·R when dropless: no request can exceed it; otherwise the exact ceiling ⌈capacity_factor·R⌉ of the
+decimal factor, with the rank-level deterministic tail drop — both in :mod:`moe_compile.runtime.route_plan`,
+whose ``capacity_rows`` the ledger's figure C agrees with).
 
     y = routed_experts(x, idx, w, W_in, W_out)
   becomes
@@ -18,20 +19,16 @@ Requires DENSE, ensures PARTITIONED; shapes stay static.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 import torch.fx as fx
 
 from ..ir import DispatchSpec, Stage
+from ..runtime.route_plan import capacity_rows
 from .base import PassContext, moe_nodes, moe_pass, op_arg, propagate_fake, tag_moe_nodes, val_shape
 
 moe = torch.ops.moe
-
-
-def capacity_rows(rows: int, ep: int, capacity_factor: float | None) -> int:
-    return ep * rows if capacity_factor is None else max(1, math.ceil(capacity_factor * rows))
 
 
 def _builders(g: fx.Graph, new: list[fx.Node]):

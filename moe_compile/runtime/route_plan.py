@@ -6,14 +6,36 @@ so every rank derives the same drops. From it, each rank derives its own :class:
 
 Capacity rule (rank-level, deterministic tail drop): destination rank r takes at most ``capacity``
 rows; its requested rows are ordered by (source rank, local expert, token, k) and the tail is dropped.
-Dropless mode uses capacity = ep·T·K, which no request can exceed.
+Dropless mode uses capacity = ep·T·K, which no request can exceed. :func:`capacity_rows` is the one
+place that number is computed (the dispatch pass sizes receive buffers with it; the ledger's figure
+``C = ceiling(c_f·T·K)`` substitutes :func:`exact_capacity_factor`, so the two agree exactly).
+
+The order does not depend on the order in which the router lists a token's K experts: a token routes
+to an expert at most once, so inside one (source, expert) segment the rows are in token order.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
+
+
+def exact_capacity_factor(capacity_factor: float) -> Fraction:
+    """The capacity factor as the decimal the user wrote: ``Fraction(str(cf))`` — 1.1 is 11/10, not the
+    binary double 1.100000000000000088… (whose product with 90 rows is 99.00000000000001)."""
+    return Fraction(str(capacity_factor))
+
+
+def capacity_rows(rows: int, ep: int, capacity_factor: float | None) -> int:
+    """Receive-buffer rows per rank for ``rows`` = T·K routed rows per rank and an EP-MP group of ``ep``:
+    ep·rows when dropless (``capacity_factor`` None), else the exact ceiling ⌈cf·rows⌉ of the decimal
+    value (cf=1.1, rows=90 → 99; cf=1.25, rows=8 → 10; cf=0.5, rows=7 → 4; cf=1.0 → rows)."""
+    if capacity_factor is None:
+        return ep * rows
+    return math.ceil(exact_capacity_factor(capacity_factor) * rows)  # Fraction.__ceil__: exact
 
 
 def keep_counts(requested: torch.Tensor, capacity: int) -> torch.Tensor:
