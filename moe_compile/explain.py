@@ -72,7 +72,7 @@ def _deepseek_v3():
                                n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, routed_scaling_factor=2.5,
                                kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
                                qk_nope_head_dim=128, first_k_dense_replace=3, norm_topk_prob=True,
-                               n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False)
+                               n_group=8, topk_group=4, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 PUBLISHED: dict[str, Published] = {
@@ -80,8 +80,8 @@ PUBLISHED: dict[str, Published] = {
     "mixtral-8x7b": Published("mixtral", "12.9B@46.7B", _mixtral),
     "qwen1.5-moe-a2.7b": Published("qwen2_moe", "2.7B@14.3B", _qwen),
     "deepseek-v3": Published("deepseek_v3", "37B@671B", _deepseek_v3,
-                             "DeepSeek-V3-style: the published sizes with ungrouped routing (n_group=1); "
-                             "group-limited routing is not supported by the front end, and it changes no size"),
+                             "DeepSeek-V3: the published sizes and routing (sigmoid scores with a score-correction "
+                             "bias, 8 expert groups of which each token's top-8 come from the best 4)"),
 }
 ALIASES = {"olmoe": "olmoe-1b-7b", "mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen": "qwen1.5-moe-a2.7b", "deepseek_v3": "deepseek-v3", "deepseek": "deepseek-v3"}

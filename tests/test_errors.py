@@ -83,10 +83,11 @@ def test_router_jitter_is_unsupported():
         moe_compile(model)
 
 
-def test_group_limited_routing_is_unsupported():
+def test_group_limited_routing_without_topk_group_is_a_clear_error():
     model = build_model("tiny")
-    model.layers[0].mlp.n_group = 4
-    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: group-limited routing \(n_group=4\)"):
+    model.layers[0].mlp.n_group = 4  # groups, but nothing says how many a token may use
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: group-limited routing with n_group=4 "
+                                                      r"needs topk_group in 1\.\.4"):
         moe_compile(model)
 
 

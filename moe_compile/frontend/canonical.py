@@ -73,7 +73,8 @@ def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.T
     logits = router(x2) if isinstance(router, nn.Linear) else F.linear(x2, router.weight)
     r = spec.router
     weights, idx = torch.ops.moe.router(
-        logits, bias, r.top_k, r.score_func, r.renormalize, r.scaling, r.fp32_weights, spec.path
+        logits, bias, r.top_k, r.score_func, r.renormalize, r.scaling, r.fp32_weights, spec.path,
+        r.n_group, r.topk_group, r.group_score,
     )
     return logits, weights, idx
 
@@ -196,7 +197,8 @@ def settle(c: Candidate) -> MoEBlockSpec:
     )
 
     def spec_for(sf: str, rn: bool, fp: bool, returns_aux: bool, checked: bool) -> MoEBlockSpec:
-        r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, c.scaling, fp, c.bias_attr, c.lb_coef, c.z_coef)
+        r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, c.scaling, fp, c.bias_attr, c.lb_coef, c.z_coef,
+                       *c.groups)
         return MoEBlockSpec(router=r, returns_aux=returns_aux, checked=checked, **base)
 
     options = list(itertools.product(c.score_funcs, c.renorms, c.fp32_options))

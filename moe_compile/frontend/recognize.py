@@ -35,6 +35,7 @@ from .structure import (
     ffn_shape,
     find_activation,
     first_attr,
+    group_routing,
     router_of,
     unsupported_router_features,
 )
@@ -65,6 +66,7 @@ class Candidate:
     shared_attr: str | None = None
     shared_gate_attr: str | None = None
     shared_hidden: int = 0
+    groups: tuple[int, int, str] = (1, 1, "top2_sum")  # (n_group, topk_group, group score)
     notes: list[str] = field(default_factory=list)
 
 
@@ -223,6 +225,7 @@ def read_block(path: str, block: nn.Module, experts_attr: str) -> Candidate:
         renorms=(bool(rn),) if rn is not None else (False, True),
         fp32_options=(False, True) if router_kind == "hf" else (False,),
         bias_attr=bias_attr,
+        groups=group_routing(block, router, n, k, where),
         scaling=float(scaling) if scaling is not None else 1.0,
         lb_coef=float(lb or 0.0),
         z_coef=float(z or 0.0),

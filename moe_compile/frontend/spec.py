@@ -16,6 +16,9 @@ class RouterSpec:
     bias_attr: str | None = None  # score-correction bias buffer (selection only)
     lb_coef: float = 0.0
     z_coef: float = 0.0
+    n_group: int = 1  # group-limited routing: experts in n_group equal groups (1: ungrouped)
+    topk_group: int = 1  # ... tokens pick their top-k among the best topk_group groups only
+    group_score: str = "top2_sum"  # a group's score: sum of its top-2 (DeepSeek-V3, GLM-4) | max (V2)
 
 
 @dataclass(frozen=True)

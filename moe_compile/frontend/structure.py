@@ -125,12 +125,34 @@ def router_of(block: nn.Module, path: str) -> tuple[str, nn.Module]:
     )
 
 
+GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
+TOPK_GROUP_ATTRS = ("topk_group",)
+
+
+def group_routing(block: nn.Module, router: nn.Module, n: int, k: int, path: str) -> tuple[int, int, str]:
+    """(n_group, topk_group, group score) of group-limited routing, (1, 1, ...) when ungrouped. The
+    group score follows the router's method: max for DeepSeek-V2's group_limited_greedy, the sum of
+    each group's top-2 otherwise (DeepSeek-V3 noaux_tc, GLM-4-MoE); the probe checks the choice."""
+    mods = (block, router)
+    _, method = first_attr(mods, ("topk_method",))
+    name, g = first_attr(mods, GROUP_ATTRS)
+    if method == "greedy" or not isinstance(g, int) or g <= 1:
+        return (1, 1, "top2_sum")
+    _, tg = first_attr(mods, TOPK_GROUP_ATTRS)
+    if n % g:
+        raise UnsupportedFeatureError(f"{path}: {name}={g} groups do not split {n} experts evenly")
+    if not isinstance(tg, int) or not 1 <= tg <= g or tg * (n // g) < k:
+        raise UnsupportedFeatureError(f"{path}: group-limited routing with {name}={g} needs topk_group in "
+                                      f"1..{g} leaving at least top_k={k} experts, got topk_group={tg!r}")
+    score = "max" if method == "group_limited_greedy" else "top2_sum"
+    if score == "top2_sum" and n // g < 2:
+        raise UnsupportedFeatureError(f"{path}: top-2 group scores need at least 2 experts per group ({name}={g})")
+    return (g, tg, score)
+
+
 def unsupported_router_features(block: nn.Module, router: nn.Module, path: str) -> None:
     """Raise for router features that change routing in ways the canonical router does not model."""
     mods = (block, router)
-    _, n_group = first_attr(mods, ("n_group", "num_expert_group"))
-    if isinstance(n_group, int) and n_group > 1:
-        raise UnsupportedFeatureError(f"{path}: group-limited routing (n_group={n_group}) is not supported")
     name, jitter = first_attr(mods, ("jitter_noise", "router_jitter_noise"))
     if isinstance(jitter, float | int) and jitter > 0:
         raise UnsupportedFeatureError(

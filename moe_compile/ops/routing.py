@@ -1,7 +1,9 @@
 """moe::router — scores, top-k selection and route weights of one MoE block.
 
     scores  = softmax(logits) | sigmoid(logits)            (in fp32)
-    idx     = topk(scores + bias, K)                       (bias: selection only, DeepSeek-V3 style)
+    select  = scores + bias                                (bias: selection only, DeepSeek-V3 style)
+    groups  = topk over n_group groups of select, scored by their top-2 sum | max   (n_group > 1)
+    idx     = topk(select outside the chosen groups = −inf, K)
     weights = scores[idx] (/ Σ_k scores[idx] if renormalize) · scaling
 
 The router's linear projection stays an ordinary dense op; this op is what passes see as the router.
@@ -33,6 +35,20 @@ def _scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     raise ValueError(f"unknown router score function {score_func!r}; supported: softmax, sigmoid")
 
 
+def group_mask(select: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """select with every expert outside each token's best ``topk_group`` groups set to −inf."""
+    t, n = select.shape
+    grouped = select.view(t, n_group, n // n_group)
+    if group_score == "top2_sum":
+        score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    elif group_score == "max":
+        score = grouped.max(dim=-1).values
+    else:
+        raise ValueError(f"unknown group score {group_score!r}; supported: top2_sum, max")
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(topk_group, dim=-1).indices, True)
+    return select.masked_fill(~keep.unsqueeze(-1).expand(t, n_group, n // n_group).reshape(t, n), float("-inf"))
+
+
 @torch.library.custom_op("moe::router", mutates_args=())
 def router(
     logits: torch.Tensor,
@@ -43,16 +59,22 @@ def router(
     scaling: float,
     fp32_weights: bool,
     block: str,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "top2_sum",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(logits, score_func)
     select = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        select = group_mask(select, n_group, topk_group, group_score)
     idx = torch.topk(select, top_k, dim=-1).indices
     w = _route_weights(logits, idx, score_func, renormalize, scaling)
     return (w if fp32_weights else w.to(logits.dtype)), idx
 
 
 @router.register_fake
-def _(logits, bias, top_k, score_func, renormalize, scaling, fp32_weights, block):
+def _(logits, bias, top_k, score_func, renormalize, scaling, fp32_weights, block, n_group=1, topk_group=1,
+      group_score="top2_sum"):
     t = logits.shape[0]
     wd = torch.float32 if fp32_weights else logits.dtype
     return logits.new_empty(t, top_k, dtype=wd), logits.new_empty(t, top_k, dtype=torch.int64)
@@ -92,7 +114,7 @@ def _(grad_weights, logits, idx, score_func, renormalize, scaling, block):
 
 
 def _setup(ctx, inputs, output):
-    logits, _bias, _k, score_func, renormalize, scaling, _fp32, block = inputs
+    logits, _bias, _k, score_func, renormalize, scaling, _fp32, block = inputs[:8]
     ctx.save_for_backward(logits, output[1])
     ctx.cfg = (score_func, renormalize, scaling, block)
     ctx.mark_non_differentiable(output[1])
@@ -101,7 +123,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_w, _grad_idx):
     logits, idx = ctx.saved_tensors
     g = torch.ops.moe.router_backward(grad_w, logits, idx, *ctx.cfg)
-    return g, None, None, None, None, None, None, None
+    return g, None, None, None, None, None, None, None, None, None, None
 
 
 router.register_autograd(_backward, setup_context=_setup)
