@@ -156,3 +156,53 @@ def test_eager_logical_op_refuses_to_run_partitioned():
     w = torch.ones(4, 1)
     with pytest.raises(RuntimeFault, match="blk: the logical routed-experts op ran un-partitioned with 2 of 4"):
         torch.ops.moe.routed_experts(x, idx, w, torch.randn(2, 16, 8), torch.randn(2, 8, 8), "silu", True, 4, 0, "blk")
+
+
+class _IndexFirstRouter(nn.Module):
+    """A router that returns (top_k_index, top_k_weights, logits), as Granite-MoE's does."""
+
+    def __init__(self, n: int, d: int, k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) * 0.1)
+        self.top_k = k
+
+    def forward(self, x):
+        logits = x @ self.weight.t()
+        w, idx = torch.softmax(logits, -1).topk(self.top_k, -1)
+        return idx, w, logits
+
+
+class _FusedExperts(nn.Module):
+    def __init__(self, n: int, d: int, h: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(n, 2 * h, d) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(n, d, h) * 0.1)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for k in range(idx.shape[1]):
+            for e in range(self.gate_up_proj.shape[0]):
+                sel = idx[:, k] == e
+                g, u = (x[sel] @ self.gate_up_proj[e].t()).chunk(2, -1)
+                out[sel] += w[sel, k, None] * ((self.act_fn(g) * u) @ self.down_proj[e].t())
+        return out
+
+
+class _IndexFirstBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.experts = _IndexFirstRouter(4, 16, 2), _FusedExperts(4, 16, 8)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w, _ = self.router(x)
+        return self.experts(x, idx, w).reshape(shape)
+
+
+def test_router_returning_another_tuple_is_a_clear_error_not_a_crash():
+    model = nn.Sequential(nn.Linear(16, 16), _IndexFirstBlock())
+    with pytest.raises(RecognitionError, match=r"^1: recognised as an MoE block .* fails on a probe batch "
+                                               r"\(.*\); its router \(_IndexFirstRouter\)"):
+        moe_compile(model)

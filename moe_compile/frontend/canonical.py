@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe)
-from ..errors import RecognitionError, UnsupportedFeatureError
+from ..errors import MoECompileError, RecognitionError, UnsupportedFeatureError
 from ..models.aux_losses import router_aux_loss
 from .recognize import Candidate
 from .spec import MoEBlockSpec, RouterSpec
@@ -221,6 +221,14 @@ def settle(c: Candidate) -> MoEBlockSpec:
             token = install(block, spec, w_in, w_out, ctx=0)
             try:
                 out, aux = _split(block(x), c.path)
+            except MoECompileError:
+                raise
+            except Exception as e:  # the canonical form met an interface it does not model
+                raise RecognitionError(
+                    f"{c.path}: recognised as an MoE block ({spec.describe()}), but its canonical form fails on a "
+                    f"probe batch ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); its router "
+                    f"({type(getattr(block, c.router_attr)).__name__}) or experts use an interface the compiler does "
+                    "not model (a router must return (logits, weights, indices) or be a Linear)") from e
             finally:
                 uninstall(block, spec, token)
             ok, err = _close(out, ref)
