@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import socket
-import types
 from typing import Any
 
 import torch
@@ -12,9 +10,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backend import MoEBackend
+from .capture import RECOMPILE_LIMIT, fresh
 from .codegen.triton_mode import resolve_codegen
 from .compiled import CompiledMoE
-from .errors import MeshError, OptionError
+from .errors import MeshError, OptionError, UnsupportedFeatureError
 from .frontend import canonicalize, recognize
 from .frontend.prepare import prepare_for_capture
 from .mesh import MeshSpec
@@ -32,11 +31,6 @@ from .runtime.lease_runtime import LeaseRuntime
 from .runtime.symmetric import make_heap
 from .runtime.symmetric_transport import SymmetricTransport
 from .train import MultiGroupDistributedDataParallel, ParamFamily
-
-# Recompiles of one CompiledMoE (input shapes, train/eval, grad mode) before torch.compile gives up on
-# it; with fullgraph (the default) going past it is a FailOnRecompileLimitHit, never a silent eager run.
-RECOMPILE_LIMIT = 64
-_entry_ids = itertools.count()
 
 
 def _capture_entry(model: nn.Module):
@@ -56,10 +50,7 @@ def _capture_entry(model: nn.Module):
     def moe_entry(*args, **kwargs):
         return model(*args, **kwargs)
 
-    code = moe_entry.__code__
-    name = f"{code.co_name}_{next(_entry_ids)}"
-    code = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
-    return types.FunctionType(code, moe_entry.__globals__, name, None, moe_entry.__closure__)
+    return fresh(moe_entry)
 
 
 def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options: Any) -> CompiledMoE:
@@ -76,15 +67,23 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     mesh = mesh or MeshSpec()
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = mesh.resolve(world)
-    if spec.pp > 1:
-        raise MeshError(f"mesh {spec}: pipeline parallelism (pp={spec.pp}) is not supported by the runtime yet")
+    schedule = _schedule_for(spec, opts)
+    if spec.cp > 1 and spec.pp > 1:
+        raise MeshError(f"mesh {spec}: context parallelism together with pipeline parallelism is not supported "
+                        "yet; use cp or pp")
     if spec.cp > 1:
-        raise MeshError(f"mesh {spec}: context parallelism (cp={spec.cp}) needs context-parallel attention, "
-                        "which the runtime does not provide yet")
+        _check_context_parallel(model, spec)
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
     blocks = recognize(model)
+    if spec.cp > 1:
+        for s, _ in blocks:
+            if s.router.lb_coef or s.router.z_coef:
+                raise UnsupportedFeatureError(
+                    f"{s.path}: a router load-balancing / z loss computed inside the block (lb={s.router.lb_coef}, "
+                    f"z={s.router.z_coef}) under context parallelism would use one sequence shard's statistics, not "
+                    "the whole sequence's; set the coefficients to 0 or use cp=1")
     for s, _ in blocks:
         if s.experts.num_experts % spec.ep_mp:
             raise MeshError(
@@ -93,7 +92,8 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     ep_rank = groups.ep_rank if groups else 0
     stats = RuntimeStats()
     transport, leases, kind = make_transport(spec, groups, opts, stats)
-    ctx_id = register_context(RuntimeContext(transport, stats, leases=leases))
+    ctx_id = register_context(RuntimeContext(transport, stats, leases=leases,
+                                             cp_group=groups.cp if groups is not None else None))
     canonicalize(blocks, spec.ep_mp, ep_rank, ctx_id)
     if opts.mxfp8:
         attach_weight_stores(model, [s for s, _ in blocks], get_context(ctx_id), opts)
@@ -107,11 +107,56 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         program.dense_weight_stores = dense_weight_stores(model, [s for s, _ in blocks], opts)
         for name, store in program.dense_weight_stores.items():
             get_context(ctx_id).weight_stores[(name, "w")] = store
+    split = None
+    if schedule is not None:
+        from .passes.split_stages import plan_split
+
+        split = plan_split(model, [s for s, _ in blocks], schedule.pp * schedule.stages_per_rank, opts.pp_split)
+        local = {groups.pp_rank + k * spec.pp for k in range(schedule.stages_per_rank)}
+        program.owned = {n for n, st in split.owner.items() if st in local} | {n for n, _ in model.named_buffers()}
     ddp = _reducer(model, program, groups) if groups is not None else None
     prepare_for_capture(model)
+    if split is not None:
+        from .runtime.pipeline_runtime import PipelineRuntime
+
+        cm = CompiledMoE(model, program, groups, ddp, None)
+        cm.pipeline = PipelineRuntime(cm, split, schedule)
+        return cm
     compiled = torch.compile(_capture_entry(model), backend=MoEBackend(program), fullgraph=opts.fullgraph,
                              dynamic=False, recompile_limit=RECOMPILE_LIMIT)
     return CompiledMoE(model, program, groups, ddp, compiled)
+
+
+def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
+    """Features the sharded sequence cannot reproduce exactly: refused before anything is built."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "output_router_logits", False):
+        raise UnsupportedFeatureError(
+            f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
+            "parallelism would use one sequence shard's router statistics; set output_router_logits=False or cp=1")
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or []
+    uses_window = (window is not None and getattr(cfg, "use_sliding_window", True) is not False
+                   and (not types or any("sliding" in str(t) for t in types)))
+    if uses_window:
+        layers = [i for i, t in enumerate(types) if "sliding" in str(t)] or "all"
+        raise UnsupportedFeatureError(
+            f"mesh {spec}: sliding-window attention (window {window}, layers {layers}) under context parallelism is "
+            "not supported (the sharded attention is full causal); use cp=1")
+
+
+def _schedule_for(spec: MeshSpec, opts: CompileOptions):
+    """The pipeline schedule's action order (None at pp=1, where train_step accumulates instead)."""
+    from .schedules import ScheduleOrder, check_schedule
+
+    v = opts.stages_per_rank or (2 if opts.schedule == "interleaved_1f1b" else 1)
+    check_schedule(opts.schedule, spec.pp, opts.microbatches, v)
+    if spec.pp == 1:
+        return None
+    if opts.microbatches < spec.pp and opts.schedule != "gpipe":
+        raise OptionError(f"schedule={opts.schedule!r} on pp={spec.pp} needs microbatches ≥ pp, got "
+                          f"{opts.microbatches}")
+    return ScheduleOrder.build(opts.schedule, spec.pp, opts.microbatches, v)
 
 
 def _device_type(model: nn.Module) -> str:
@@ -160,7 +205,7 @@ def dense_weight_stores(model: nn.Module, specs, opts: CompileOptions) -> dict:
     from .train.fp8_weight_store import FP8WeightStore
 
     expert = {n for s in specs for n in (s.in_name, s.out_name)}
-    routers = {f"{s.path}.{s.router_attr}.weight".lstrip(".") for s in specs}
+    routers = {s.router_weight_name for s in specs}
     shared = tuple(f"{s.path}.{s.shared_attr}.".lstrip(".") for s in specs if s.shared_attr)
     linear = {f"{m}.weight".lstrip(".") for m, mod in model.named_modules() if isinstance(mod, nn.Linear)}
     out = {}
@@ -184,12 +229,16 @@ def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistribute
     expert_names = {n for s in program.blocks.values() for n in (s.in_name, s.out_name)}
     dense, expert = [], []
     for name, p in model.named_parameters():
+        if program.owned is not None and name not in program.owned:
+            continue  # another pipeline stage's parameter
         (expert if name in expert_names else dense).append(p)
     spec = program.mesh
     dpcp = spec.dp * spec.cp
+    # A CP group's ranks each hold their tokens' part of one replica's loss gradient: sum over cp,
+    # average over dp (cp = 1: the plain average over the dp replicas).
     fams = [
-        ParamFamily("dense", dense, groups.dense if dpcp > 1 else None, 1.0 / dpcp),
+        ParamFamily("dense", dense, groups.dense if dpcp > 1 else None, 1.0 / spec.dp),
         ParamFamily("expert", expert, groups.ep_dp if spec.ep_dp > 1 else None, 1.0 / spec.ep_dp,
-                    pre_scale=1.0 / spec.ep_mp),
+                    pre_scale=spec.cp / spec.ep_mp),
     ]
     return MultiGroupDistributedDataParallel(fams, bucket_bytes=int(program.options.bucket_mb * 2**20))

@@ -37,6 +37,19 @@ class MoEBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         prog = self.program
+        if prog.options.capacity_factor is None and prog.ep_size > 1:  # dropless: capacity follows the load
+            from .runtime.dropless import DroplessEntry, dropless_state
+
+            pristine, first = snapshot(gm), [gm]  # each recompile runs the passes on a fresh copy
+
+            def build():
+                return self.compile(first.pop() if first else snapshot(pristine), example_inputs)
+
+            return DroplessEntry(dropless_state(prog.ctx_id, prog.ep_size), build)
+        return self.compile(gm, example_inputs)
+
+    def compile(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+        prog = self.program
         prog.compiles += 1
         debug = Path(prog.options.debug_dir) if prog.options.debug_dir else None
         fake_mode = detect_fake_mode(example_inputs)

@@ -33,7 +33,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--precision", choices=["fp32", "bf16", "mxfp8"], default="fp32",
                    help="fp32; bf16 (model in BF16, FP32 main weights in the optimizer); mxfp8 (routed experts)")
-    p.add_argument("--grad-accum", type=int, default=1, metavar="M", help="microbatches per optimizer step")
+    p.add_argument("--microbatches", "--grad-accum", dest="grad_accum", type=int, default=1, metavar="M",
+                   help="microbatches per optimizer step (the pipeline schedule's m; at pp=1 accumulation)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline schedule for a mesh with pp>1 (torch.distributed.pipelining)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--ckpt", default=None, metavar="DIR", help="checkpoint directory")
@@ -105,7 +108,10 @@ def _explain_parser(sub) -> None:
     p.add_argument("--world", type=int, default=None, help="world size (default: from the mesh)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(4096, model limit))")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (m)")
+    p.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=1,
+                   help="micro-batches per optimizer step (m; the pipeline schedule's, with pp>1)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline schedule for a mesh with pp>1")
     p.add_argument("--capacity-factor", type=float, default=None, help="rank-level capacity (default: dropless)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (bfloat16, float32, float16)")
     p.add_argument("--no-png", action="store_true", help="write SVG graphs only")
@@ -119,7 +125,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         res = explain(mesh=args.mesh, out_dir=args.out, hf=args.hf, hf_config=args.hf_config, model=args.model,
                       rank=args.rank, world=args.world, seq_len=args.seq_len, batch_size=args.batch_size,
                       micro_batches=args.micro_batches, capacity_factor=args.capacity_factor, dtype=args.dtype,
-                      png=not args.no_png)
+                      png=not args.no_png, schedule=args.schedule)
     except MoECompileError as e:
         print(f"moe-compile explain: {e}", file=sys.stderr)
         return 2
@@ -129,6 +135,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"  {group:<10} {name:<20} {value:>16}  {doc[:70]}")
     for n in led.notes:
         print(f"  note: {n}")
+    if res.context_parallel is not None:
+        c = res.context_parallel
+        print(f"  context parallel: cp={c['cp']}, K/V all-gathered {c['kv_gathered_bytes'] / 2**20:.1f} MiB per step, "
+              f"CP traffic {c['cp_bytes_per_step'] / 2**20:.1f} MiB per rank, attention "
+              f"{c['attn_flops_per_step'] / 1e12:.3f} TFLOP per rank")
+        for r in c["scaling"]:
+            print(f"    cp={r['cp']}: saved activations {(r['saved_bytes'] or 0) / 2**30:.2f} GiB, attention "
+                  f"{r['attn_flops'] / 1e12:.3f} TFLOP, CP bytes {r['cp_bytes'] / 2**20:.1f} MiB")
+    if res.pipeline is not None:
+        pl = res.pipeline
+        print(f"  pipeline: {pl['schedule']}, m={pl['microbatches']}, bubble {pl['bubble_fraction']:.3f} of a step")
+        for r in pl["stages"]:
+            hw = r["activation_high_water"]
+            print(f"    stage {r['stage']}: layers {r['layers'][0]}–{r['layers'][-1]}, P_local {r['P_local']:,}, "
+                  f"persistent {r['persistent_bytes'] / 2**30:.2f} GiB, H_s {r['H_s']}, activation high-water "
+                  f"{(hw or 0) / 2**30:.2f} GiB, lease {r['lease_bytes'] / 2**20:.1f} MiB "
+                  f"(one per microbatch: {r['lease_bytes_one_per_microbatch'] / 2**20:.1f} MiB)")
     for key, path in res.files.items():
         print(f"  wrote {key}: {path}")
     for m in res.messages:
@@ -136,16 +159,52 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _families_parser(sub) -> None:
+    p = sub.add_parser("families", help="which MoE families of the installed transformers compile",
+                       description="For every MoE causal-LM family the installed transformers registers: build a tiny "
+                                   "random config (2 layers, 8 experts, top-2), compile it and compare loss and every "
+                                   "gradient with the dense model (fp32, 1e-5), or print the error. Runs the families "
+                                   "in --ranks spawned CPU ranks on --mesh.")
+    p.add_argument("names", nargs="*", help="model types to check (default: every MoE family)")
+    p.add_argument("--mesh", default="ep_mp=1", help='mesh degrees, e.g. "ep_mp=2" (default: one rank)')
+    p.add_argument("--ranks", type=int, default=1, help="local CPU ranks to spawn")
+    p.add_argument("--list", action="store_true", help="only list the families, compile nothing")
+
+
+def cmd_families(args: argparse.Namespace) -> int:
+    from .families import format_table, moe_families, sweep_worker
+    from .runtime.launcher import RankFailure, spawn_ranks
+
+    names = args.names or moe_families()
+    unknown = sorted(set(names) - set(moe_families()))
+    if unknown:
+        print(f"moe-compile families: not MoE causal-LM families of this transformers: {unknown}", file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(names))
+        return 0
+    try:
+        results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, timeout=24 * 3600)[0]
+    except RankFailure as e:
+        print(f"moe-compile families failed: {e}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    return 1 if any(r.status in ("wrong", "crash") for r in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-compile", description="Compile MoE models for expert-parallel training")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _explain_parser(sub)
+    _families_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         return cmd_train(args)
     if args.command == "explain":
         return cmd_explain(args)
+    if args.command == "families":
+        return cmd_families(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .errors import RuntimeFault
+from .errors import OptionError, RuntimeFault
 from .frontend import MoEBlockSpec
 from .mesh import MeshGroups
 from .program import Program
@@ -36,9 +36,59 @@ class CompiledMoE(nn.Module):
         self._expert_names = {
             name for spec in program.blocks.values() for name in (spec.in_name, spec.out_name)
         }
+        self.pipeline = None  # runtime.pipeline_runtime.PipelineRuntime on a pp > 1 mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            return self.pipeline.forward(args, kwargs)
+        if self.program.mesh.cp > 1:  # this rank's sequence shard; the loss is the whole sequence's
+            from .ops.context_parallel import LossSum
+            from .runtime.context_parallel import shard_batch
+
+            if args:
+                raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
+            out = self._compiled(**shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank))
+            if getattr(out, "loss", None) is not None:
+                out.loss = LossSum.apply(out.loss, self.groups.cp)
+            return out
         return self._compiled(*args, **kwargs)
+
+    def cp_positions(self, seq: int) -> torch.Tensor:
+        """Global positions of this rank's tokens (its logits' sequence order) under context parallelism."""
+        from .runtime.context_parallel import shard_positions
+
+        return shard_positions(seq, self.program.mesh.cp, self.groups.cp_rank if self.groups else 0)
+
+    def train_step(self, *, microbatches: int | None = None, **batch: Any) -> torch.Tensor:
+        """Forward and backward of this data-parallel replica's batch as m microbatches (the pipeline
+        schedule at pp > 1, gradient accumulation at pp = 1), gradients reduced once. Returns the
+        replica's loss (the batch-mean token loss: microbatch j weighted by its share of the loss
+        tokens) on every rank. Every rank of one pipeline (and of one CP group) passes the same batch.
+        m: the compile option ``microbatches``; at pp = 1 ``microbatches=`` here may change it."""
+        if self.pipeline is not None:
+            if microbatches not in (None, self.pipeline.schedule.microbatches):
+                raise OptionError(f"train_step(microbatches={microbatches}): this pipeline's schedule was compiled "
+                                  f"for microbatches={self.pipeline.schedule.microbatches}")
+            return self.pipeline.train_step(batch)
+        from .runtime.pipeline_runtime import microbatch_weights, split_batch_check
+
+        m = microbatches or self.program.options.microbatches
+        b = split_batch_check(batch, m)
+        w = microbatch_weights(batch.get("labels"), m, b)
+        total = None
+        for j in range(m):
+            mb = {k: (v[j * b // m:(j + 1) * b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                  for k, v in batch.items()}
+            with self.no_sync() if j < m - 1 else contextlib.nullcontext():
+                loss = self(**mb).loss
+                (loss * w[j].to(loss.dtype)).backward()
+            part = loss.detach().float() * w[j]
+            total = part if total is None else total + part
+        return total
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank's pipeline stages hold parameter ``name`` (always, at pp = 1)."""
+        return self.program.owned is None or name in self.program.owned
 
     # -- gradients ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -68,6 +118,8 @@ class CompiledMoE(nn.Module):
             for v in s.param_views:
                 views[v.canonical].append(v)
         for name, p in self.model.named_parameters():
+            if not self.owns(name):
+                continue
             t = pick(name, p)
             if name not in self._expert_names:
                 out[name] = t.detach().clone()
@@ -76,6 +128,11 @@ class CompiledMoE(nn.Module):
             for v in views[name]:
                 x = full if v.expert is None else full[v.expert]
                 out[v.original] = (x if v.rows is None else x[..., v.rows[0]: v.rows[1], :]).clone()
+        if self.pipeline is not None:  # every stage's tensors, on every rank of the pipeline
+            parts: list = [None] * self.program.mesh.pp
+            dist.all_gather_object(parts, out, group=self.groups.pp)
+            for part in parts:
+                out.update(part)
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -146,6 +203,11 @@ class CompiledMoE(nn.Module):
         """The compile-time lease plan (moe_compile.leases.LeasePlan) of the last training (or
         "inference") capture: payloads, sizes, lifetimes, slots, high-water per stage and family;
         None before the first such capture."""
+        if self.pipeline is not None:  # this rank's stages: one plan per stage, merged (stages are disjoint)
+            from .leases import merge_plans
+
+            plans = [p.lease_plans.get(which) for p in self.pipeline._stage_programs()]
+            return merge_plans([p for p in plans if p is not None]) if any(plans) else None
         return self.program.lease_plans.get(which)  # None until a step of that kind was captured
 
     def lease_runtime(self):

@@ -15,6 +15,7 @@ attributes only on meta weights (the report says so); they do not change any led
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Callable
@@ -148,12 +149,14 @@ class ExplainResult:
     ledger: Any  # moe_compile.ledger.Ledger
     files: dict[str, Path] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)  # for the user (e.g. graphviz missing: no pictures)
+    pipeline: dict | None = None  # pp > 1: per-stage figures (explain_pipeline.stage_rows)
+    context_parallel: dict | None = None  # cp > 1: K/V traffic, attention FLOPs, scaling (explain_cp.cp_rows)
 
 
 def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None, hf_config: str | None = None,
             model: str | None = None, rank: int = 0, world: int | None = None, seq_len: int | None = None,
             batch_size: int = 1, micro_batches: int = 1, capacity_factor: float | None = None,
-            dtype: str = "bfloat16", png: bool = True, max_nodes: int = 350) -> ExplainResult:
+            dtype: str = "bfloat16", png: bool = True, max_nodes: int = 350, schedule: str = "1f1b") -> ExplainResult:
     """Compile for ``mesh`` as ``rank`` of a fake world and write the ledger, graphs and report."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -179,25 +182,69 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
     cm = None
     try:
-        cm = moe_compile(net, spec, capacity_factor=capacity_factor)
+        pipelined = spec.pp > 1
+        extra = {"microbatches": micro_batches, "schedule": schedule} if pipelined else {}
+        cm = moe_compile(net, spec, capacity_factor=capacity_factor, **extra)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-        with warnings.catch_warnings():
+        pipeline = None
+        with warnings.catch_warnings(), _differentiable_cross_entropy():
             # meta tensors: eager autograd kernels of some losses are missing; nothing numeric is used
             warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
-            res = cm(input_ids=ids, labels=ids)
-            res.loss.backward()
+            if pipelined:  # every stage compiled here, one forward and backward each (nothing sent)
+                from .explain_pipeline import stage_rows
+
+                programs = cm.pipeline.plan_stages({"input_ids": ids, "labels": ids})
+                cm.pipeline._programs = [programs[s] for s in cm.pipeline.local]
+                pipeline = stage_rows(cm, programs)
+            else:
+                res = cm(input_ids=ids, labels=ids)
+                res.loss.backward()
         led = cm.ledger(micro_batches=micro_batches)
         result = ExplainResult(name, cm.program.mesh, led)
+        from .explain_cp import cp_rows
+
+        result.context_parallel = cp_rows(cm, led)
         from .explain_report import write_outputs
 
         result.files = write_outputs(cm, led, out, name=name, rank=rank, seq_len=seq_len, batch_size=batch_size,
                                      png=png, max_nodes=max_nodes, published=_published_note(hf),
-                                     messages=result.messages)
+                                     messages=result.messages, pipeline=pipeline, cp=result.context_parallel,
+                                     programs=programs if pipelined else None)
+        result.pipeline = pipeline
         return result
     finally:
         if cm is not None:
             cm.close()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _differentiable_cross_entropy():
+    """While explain captures: F.cross_entropy as log_softmax + gather. aten::nll_loss has no autograd
+    kernel for meta tensors, so the captured backward would get no gradient from the token loss — the
+    last MoE layers would look as if backward never read their payloads (no leases, too little saved).
+    The same arithmetic, differentiable on meta; only planning captures use it."""
+    import torch.nn.functional as F
+
+    original = F.cross_entropy
+
+    def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                      reduction="mean", label_smoothing=0.0):
+        if weight is not None or size_average is not None or reduce is not None or label_smoothing or \
+                target.is_floating_point() or input.dim() != 2:
+            return original(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        valid = target != ignore_index
+        picked = torch.log_softmax(input, -1).gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
+        losses = -picked * valid
+        if reduction == "none":
+            return losses
+        return losses.sum() if reduction == "sum" else losses.sum() / valid.sum()
+
+    F.cross_entropy = cross_entropy
+    try:
+        yield
+    finally:
+        F.cross_entropy = original
 
 
 def _published_note(hf: str | None) -> str:

@@ -36,13 +36,18 @@ def _first_moe_layer(gm) -> str | None:
 
 def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, seq_len: int | None = None,
                   batch_size: int | None = None, png: bool = True, max_nodes: int = 350,
-                  published: str = "", messages: list[str] | None = None) -> dict[str, Path]:
+                  published: str = "", messages: list[str] | None = None, pipeline: dict | None = None,
+                  programs: dict | None = None, cp: dict | None = None) -> dict[str, Path]:
     """Write the outputs to ``out``; returns what was written (key → path). ``messages`` (if given)
     receives what the caller should tell the user (one line when graphviz is missing)."""
     prog = cm.program
     graphs = prog.graphs
     files: dict[str, Path] = {}
     data = ledger.to_dict()
+    if pipeline is not None:
+        data["pipeline"] = pipeline
+    if cp is not None:
+        data["context_parallel"] = cp
     data["run"] = {"model": name, "mesh": str(prog.mesh), "rank": rank, "world": prog.mesh.world_size,
                    "seq_len": seq_len, "batch_size": batch_size, "published": published}
     files["ledger"] = out / "ledger.json"
@@ -66,6 +71,13 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
                 drawing = False
         pictures.append(Picture(caption + tag, picture))
 
+    for s, sprog in sorted((programs or {}).items()):  # pipeline: each stage's graphs, drawn as its stage
+        if "partitioned" in sprog.graphs:
+            draw(f"stage{s}_partitioned", f"stage {s}: forward IR after the passes", sprog.graphs["partitioned"],
+                 direction="fwd", stage=s)
+        if "backward" in sprog.graphs:
+            draw(f"stage{s}_backward", f"stage {s}: backward graph", sprog.graphs["backward"], direction="bwd",
+                 stage=s)
     if "partitioned" in graphs:
         draw("partitioned", f"forward IR after the passes (rank {rank})", graphs["partitioned"], direction="fwd")
         layer = _first_moe_layer(graphs["partitioned"])
@@ -90,6 +102,16 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
         f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(str(dict(sorted(r.op_diff.items()))))}</td></tr>"
         for r in prog.records) + "</table>"
     sections = {"MoE blocks": blocks, "Passes": records}
+    if prog.options.capacity_factor is None and "C_bound" in ledger.figures:  # dropless receive buffer
+        sections["Dropless receive buffer"] = dropless_table_html(ledger)
+    if cp is not None:
+        from .explain_cp import cp_table_html
+
+        sections["Context parallelism"] = cp_table_html(cp)
+    if pipeline is not None:
+        from .explain_pipeline import stage_table_html
+
+        sections["Pipeline stages"] = stage_table_html(pipeline)
     if cm.ddp is not None:
         sections["Gradient buckets"] = "<table><tr><th>family</th><th>dtype</th><th>params</th><th>bytes</th></tr>" + \
             "".join(f"<tr><td>{b['family']}</td><td>{b['dtype']}</td><td>{b['params']}</td><td>{b['bytes']:,}</td></tr>"
@@ -103,3 +125,15 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
     if not drawing and pictures and messages is not None:
         messages.append(DOT_MISSING)
     return files
+
+
+def dropless_table_html(ledger: Ledger) -> str:
+    """Receive rows and capacity-sized bytes per MoE layer: headroom (uniform), the given imbalance ρ, and
+    the static bound ep_mp·T·K (runtime.dropless: the capacity grows only when a load needs it)."""
+    from .ledger import format_value
+
+    rows = [("uniform (rho ≤ h_d)", "C", "M_recv_uniform"), (f"rho = {ledger.values.get('rho', 1)}", "C_rho",
+            "M_recv_rho"), ("bound (all to one rank)", "C_bound", "M_recv_bound")]
+    return "<table><tr><th>load</th><th>receive rows</th><th>bytes per MoE layer</th></tr>" + "".join(
+        f"<tr><td>{html.escape(w)}</td><td>{format_value(ledger[c], 'rows')}</td>"
+        f"<td>{format_value(ledger[m], 'bytes')}</td></tr>" for w, c, m in rows) + "</table>"

@@ -79,3 +79,16 @@ class LeasePlan:
         """Bytes of symmetric memory the pools allocate (slots × slot size, summed over pools)."""
         keys = {(p.stage, p.family) for p in self.payloads}
         return sum(self.pool_slots(s, f) * self.slot_bytes[(s, f)] for s, f in keys)
+
+
+def merge_plans(plans: list[LeasePlan]) -> LeasePlan:
+    """The plans of several pipeline stages of one rank as one plan (stages keep their own pools)."""
+    if len(plans) == 1:
+        return plans[0]
+    merged: dict = {"high_water": {}, "slot_bytes": {}, "in_flight": {}}
+    for p in plans:
+        for k in merged:
+            merged[k].update(getattr(p, k))
+    return LeasePlan(tuple(x for p in plans for x in p.payloads), max(p.schedule_len for p in plans),
+                     all(p.sharing for p in plans), merged["high_water"], merged["slot_bytes"],
+                     max(p.boundary for p in plans), merged["in_flight"])

@@ -172,6 +172,8 @@ class MeshGroups:
     ep_dp: dist.ProcessGroup
     dense_mesh: object  # DeviceMesh (pp, dp, cp)
     moe_mesh: object  # DeviceMesh (pp, ep_dp, ep_mp)
+    pp: dist.ProcessGroup | None = None  # this rank's pipeline (same j in every stage); None at pp=1
+    cp: dist.ProcessGroup | None = None  # this rank's context-parallel group (consecutive ranks); None at cp=1
 
     @classmethod
     def create(cls, spec: MeshSpec, device_type: str | None = None) -> MeshGroups:
@@ -198,13 +200,23 @@ class MeshGroups:
         dense = mine(_groups_along(dense_t, (1, 2)))
         ep_mp = mine(_groups_along(moe_t, (2,)))
         ep_dp = mine(_groups_along(moe_t, (1,)))
+        pp = mine(_groups_along(dense_t, (0,))) if spec.pp > 1 else None
+        cp = mine(_groups_along(dense_t, (2,))) if spec.cp > 1 else None
         dense_mesh = DeviceMesh(device_type, dense_t, mesh_dim_names=("pp", "dp", "cp"))
         moe_mesh = DeviceMesh(device_type, moe_t, mesh_dim_names=("pp", "ep_dp", "ep_mp"))
-        return cls(spec, rank, device_type, dense, ep_mp, ep_dp, dense_mesh, moe_mesh)
+        return cls(spec, rank, device_type, dense, ep_mp, ep_dp, dense_mesh, moe_mesh, pp, cp)
 
     @property
     def ep_rank(self) -> int:
         return self.spec.moe_coords(self.rank)[2]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.spec.dense_coords(self.rank)[2]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.spec.dense_coords(self.rank)[0]
 
     @property
     def ep_dp_rank(self) -> int:

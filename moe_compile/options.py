@@ -30,6 +30,10 @@ class CompileOptions:
     debug_pictures: bool = False  # with debug_dir: also render each dump as SVG (new nodes highlighted)
     fullgraph: bool = True  # the whole model must capture as one graph (lease planning spans layers)
     bucket_mb: float = 25.0  # gradient bucket size
+    microbatches: int = 1  # m: microbatches of cm.train_step (pipeline schedule, or accumulation at pp=1)
+    schedule: str = "1f1b"  # pipeline schedule (torch.distributed.pipelining): gpipe | 1f1b | interleaved_1f1b
+    stages_per_rank: int | None = None  # v: pipeline stages per rank (None: 2 for interleaved_1f1b, else 1)
+    pp_split: tuple[str, ...] | None = None  # first decoder layer of stages 1..S-1 (None: balance the cost)
 
     def __post_init__(self) -> None:
         cf = self.capacity_factor
@@ -48,6 +52,14 @@ class CompileOptions:
         fif = self.forwards_in_flight
         if not isinstance(fif, int) or isinstance(fif, bool) or fif < 1:
             raise OptionError(f"forwards_in_flight={fif!r}: must be a positive integer")
+        for name in ("microbatches",) + (("stages_per_rank",) if self.stages_per_rank is not None else ()):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise OptionError(f"{name}={v!r}: must be a positive integer")
+        if self.pp_split is not None:
+            if isinstance(self.pp_split, str) or not all(isinstance(x, str) for x in self.pp_split):
+                raise OptionError(f"pp_split={self.pp_split!r}: must be a list of module paths")
+            object.__setattr__(self, "pp_split", tuple(self.pp_split))
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 

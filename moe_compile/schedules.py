@@ -17,6 +17,7 @@ torch 2.13: asking for one is a clear error.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from torch.distributed.pipelining import schedules as pps
@@ -30,6 +31,29 @@ REFUSED = {"zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZe
            "looped_bfs": "ScheduleLoopedBFS"}
 FORWARD = pps._ComputationType.FORWARD
 BACKWARDS = (pps._ComputationType.FULL_BACKWARD, pps._ComputationType.BACKWARD_INPUT)
+
+
+@dataclass(frozen=True)
+class ScheduleOrder:
+    """One pipeline schedule as the compiler sees it: every rank's action order and H_s per stage."""
+
+    name: str
+    pp: int
+    microbatches: int
+    stages_per_rank: int
+    order: dict  # rank → [torch _Action | None]
+    in_flight: dict  # stage → H_s
+
+    @classmethod
+    def build(cls, name: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> ScheduleOrder:
+        order = action_order(name, pp, microbatches, stages_per_rank)
+        return cls(name, pp, microbatches, stages_per_rank, order, forwards_in_flight(order))
+
+    def bubble_fraction(self) -> float:
+        """Idle share of a rank's step time with equal-cost stages: (pp−1)/(v·m + pp−1) (GPipe and
+        1F1B: v = 1; interleaving v stages per rank shrinks the bubble v-fold)."""
+        p, v, m = self.pp, self.stages_per_rank, self.microbatches
+        return (p - 1) / (v * m + p - 1)
 
 
 def check_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> None:

@@ -68,3 +68,15 @@ def test_gpu_check_smoke_writes_one_json_per_part(tmp_path):
     if not torch.cuda.is_available():
         plain = run_script("gpu_check.py", "--out", str(tmp_path / "plain"))
         assert "no GPU" in plain and json.loads((tmp_path / "plain" / "summary.json").read_text())["ok"], plain
+
+
+@pytest.mark.slow
+def test_scale_benchmark_smoke_receive_bytes_and_host_syncs():
+    """benchmarks/scale.py --smoke: uniform dropless load keeps the headroom buffer (below ep_mp·T·K), the
+    skewed one grows to it, the ledger predicts the measured bytes, and host syncs per step stay the
+    documented ones (symmetric: the dropless settle only)."""
+    out = run_script("scale.py", "--smoke")
+    ratios = [float(x) for x in re.findall(r"ratio measured / static = (\d+\.\d+)", out)]
+    assert len(ratios) == 2 and ratios[0] < 1 and ratios[1] == 1.0, out
+    assert all(float(x) == 1.0 for x in re.findall(r"ratio predicted / measured = (\d+\.\d+)", out)), out
+    assert int(re.search(r"symmetric\s+host syncs per step = (\d+)", out).group(1)) == 2, out

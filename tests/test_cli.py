@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -52,3 +53,21 @@ def test_bad_training_options_are_reported():
     proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "train", "--save-every", "5"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "--resume and --save-every need --ckpt DIR" in proc.stderr, proc.stderr
+
+
+def test_families_prints_the_table():
+    proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "families", "mixtral", "afmoe", "zaya"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["family", "status", "detail"]
+    rows = {ln.split()[0]: ln.split()[1] for ln in lines[1:-1]}
+    assert rows == {"mixtral": "compiled", "afmoe": "compiled", "zaya": "error"}, proc.stdout
+    assert "model.layers.0.mlp.gate" in proc.stdout and "MLP routers are not supported" in proc.stdout
+    assert lines[-1] == "2 compiled, 1 error, 0 wrong, 0 crash of 3 families"
+
+
+def test_families_rejects_unknown_names():
+    proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "families", "llama"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "not MoE causal-LM families" in proc.stderr and "'llama'" in proc.stderr

@@ -38,7 +38,7 @@ def test_explain_tiny_for_a_32_rank_mesh(tmp_path, capsys):
             "V_expert_sent", "F_train_token"} <= set(data)
     s = data["symbols"]
     assert (s["dp"], s["ep_dp"], s["ep_mp"], s["T"]) == (32, 8, 4, 128)
-    assert data["C"] == 4 * 128 * 2  # dropless: ep_mp·T·K receive rows
+    assert data["C"] == 3 * 128 * 2 // 2 and data["C_bound"] == 4 * 128 * 2  # dropless: ⌈1.5·T·K⌉, bound ep_mp·T·K
     # TinyMoEConfig() by hand (d = 64, V = 256, 256 positions, 2 layers of 8 SwiGLU experts of width 64):
     #   dense: embed + pos + lm_head 3·256·64 = 49152, final norm 64, per layer 2 norms 128, qkv 64·192 =
     #   12288, proj 64·64 = 4096, router 8·64 = 512 → 17024; 49152 + 64 + 2·17024 = 83264

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch.nn as nn
 
 from .canonical import ExpertWeights, expert_tensors, install, set_context, settle
-from .recognize import Candidate, find_candidates
+from .recognize import Candidate, find_candidates, read_block, register_recognizer, unregister_recognizer
 from .spec import ExpertsSpec, MoEBlockSpec, ParamView, RouterSpec
 
 __all__ = [
@@ -19,8 +19,11 @@ __all__ = [
     "RouterSpec",
     "canonicalize",
     "expert_tensors",
+    "read_block",
     "recognize",
+    "register_recognizer",
     "set_context",
+    "unregister_recognizer",
 ]
 
 

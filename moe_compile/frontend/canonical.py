@@ -20,6 +20,7 @@ are settled by which candidate reproduces the block, and no match is an error na
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 
@@ -34,6 +35,7 @@ from .recognize import Candidate
 from .spec import MoEBlockSpec, RouterSpec
 
 PROBE_TOKENS = 48
+PROBE_LOGIT_STD = 2.0  # spread of the router logits on the probe batch
 
 
 class ExpertWeights(nn.Module):
@@ -70,8 +72,11 @@ def _bias(owner: nn.Module, attr: str | None) -> torch.Tensor | None:
 
 def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.Tensor | None):
     """(logits, weights, idx) of the canonical router for flattened tokens ``x2 [T, d]``."""
-    logits = router(x2) if isinstance(router, nn.Linear) else F.linear(x2, router.weight)
     r = spec.router
+    if spec.mode == "block" and isinstance(router, nn.Linear):
+        logits = router(x2)
+    else:  # the router's own weight, or the Linear one level down (router.gate, gate.wg, …)
+        logits = F.linear(x2, _bias(router, r.weight_attr))
     weights, idx = torch.ops.moe.router(
         logits, bias, r.top_k, r.score_func, r.renormalize, r.scaling, r.fp32_weights, spec.path,
         r.n_group, r.topk_group, r.group_score,
@@ -90,10 +95,18 @@ def routed(experts: nn.Module, spec: MoEBlockSpec, ctx: int, x2, idx, weights) -
 # -- installed forwards --------------------------------------------------------------------------
 
 
-def _router_forward(self: nn.Module, hidden: torch.Tensor):
+def _router_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs):
     spec: MoEBlockSpec = self._moe_spec
     x2 = hidden.reshape(-1, spec.experts.d_model)
-    return route(self, spec, x2, _bias(self, self._moe_bias_attr))
+    if spec.router.bias_attr and not spec.router.bias_in_router:  # the block passes its own bias in
+        bias = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if bias is None:
+            raise RecognitionError(f"{spec.path}.{spec.router_attr}: the block holds the score-correction bias "
+                                   f"{spec.router.bias_attr} but does not pass it to its router")
+    else:
+        bias = _bias(self, self._moe_bias_attr)
+    out = dict(zip(("logits", "weights", "indices"), route(self, spec, x2, bias), strict=True))
+    return tuple(out[k] for k in spec.router.outputs)
 
 
 def _experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -133,7 +146,7 @@ def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: tor
     if spec.mode == "components":
         router = getattr(block, spec.router_attr)
         router._moe_spec = spec
-        router._moe_bias_attr = spec.router.bias_attr.split(".", 1)[1] if spec.router.bias_attr else None
+        router._moe_bias_attr = spec.router.bias_attr.split(".", 1)[1] if spec.router.bias_in_router else None
         router.forward = types.MethodType(_router_forward, router)
         experts._moe_spec, experts._moe_ctx = spec, ctx
         experts.forward = types.MethodType(_experts_forward, experts)
@@ -184,11 +197,78 @@ def _split(out: object, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     )
 
 
+@contextlib.contextmanager
+def _probe_router(c: Candidate, gen: torch.Generator):
+    """Random router weights (logits of spread PROBE_LOGIT_STD) and score-correction bias for the probe,
+    the model's own restored afterwards. Near-zero logits (a zero-initialised router, as AFMoE's) would
+    let routings that differ only away from 0 pass: softmax and sigmoid renormalised over the top-2 agree
+    at 0 and differ 2x in gradient; a zero bias would hide where the bias is added."""
+    router = getattr(c.block, c.router_attr)
+    w = _bias(router, c.weight_attr)
+    tensors = [w] + ([_bias(c.block, c.bias_attr)] if c.bias_attr else [])
+    saved = [t.detach().clone() for t in tensors]
+    try:
+        with torch.no_grad():
+            n, d = w.shape
+            w.copy_(torch.randn(n, d, generator=gen).to(w) * (PROBE_LOGIT_STD / d**0.5))
+            if c.bias_attr:
+                tensors[1].copy_(torch.randn(n, generator=gen).to(tensors[1]) * 0.5)
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in zip(tensors, saved, strict=True):
+                t.copy_(v)
+
+
+def _reference(c: Candidate, x: torch.Tensor, mode: str):
+    """The block's own output on the probe batch, and (components mode) the order of its router's tuple,
+    read from what the router returned: indices are the integer tensor, logits the float [T, N] one,
+    weights the float [T, K] one."""
+    router = getattr(c.block, c.router_attr)
+    seen: list[object] = []
+    saved = router.__dict__.get("forward")
+    if mode == "components":
+        own = router.forward
+        router.forward = lambda *a, **k: seen.append(own(*a, **k)) or seen[-1]
+    try:
+        ref, ref_aux = _split(c.block(x), c.path)
+    except MoECompileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the block's own forward needs more than hidden states
+        raise RecognitionError(
+            f"{c.path}: the block's own forward fails on a probe batch of hidden states alone "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); a MoE block must compute "
+            f"forward(hidden_states) (blocks that also need token ids or other inputs are not supported)") from e
+    finally:
+        router.__dict__.pop("forward", None)
+        if saved is not None:
+            router.forward = saved
+    return ref, ref_aux, _router_order(c, seen[0]) if seen else ("logits", "weights", "indices")
+
+
+def _router_order(c: Candidate, out: object) -> tuple[str, str, str]:
+    where = f"{c.path}.{c.router_attr}"
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        kind = type(out).__name__ if not isinstance(out, tuple) else f"a {len(out)}-tuple"
+        raise UnsupportedFeatureError(
+            f"{where}: the router returns {kind}; a router module must return (logits, weights, indices) in some "
+            "order (a router returning logits only, with top-k in the block's forward, is not supported)")
+    n, k = c.experts.num_experts, c.top_k
+    ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
+    logits = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape[-1] == n]
+    weights = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape[-1] == k]
+    if len(ints) != 1:
+        raise UnsupportedFeatureError(f"{where}: the router returns {[str(t.dtype) for t in out]}: no single "
+                                      "integer tensor of expert indices")
+    if n == k or len(logits) != 1 or len(weights) != 1:
+        return ("logits", "weights", "indices")  # not distinguishable by shape: the transformers order
+    order = {ints[0]: "indices", logits[0]: "logits", weights[0]: "weights"}
+    return tuple(order[i] for i in range(3))
+
+
 def settle(c: Candidate) -> MoEBlockSpec:
     """Fix the routing semantics of a candidate by the probe (or from attributes alone on meta)."""
     mode = "components" if c.router_kind == "hf" else "block"
-    if mode == "components" and c.bias_attr and not c.bias_attr.startswith(c.router_attr + "."):
-        raise UnsupportedFeatureError(f"{c.path}: score-correction bias outside the router of a transformers-style block")
     w_in, w_out = c.full_weights()
     base = dict(
         path=c.path, index=0, mode=mode, router_attr=c.router_attr, experts_attr=c.experts_attr,
@@ -196,9 +276,11 @@ def settle(c: Candidate) -> MoEBlockSpec:
         shared_hidden=c.shared_hidden, param_views=c.views,
     )
 
+    outputs = ("logits", "weights", "indices")
+
     def spec_for(sf: str, rn: bool, fp: bool, returns_aux: bool, checked: bool) -> MoEBlockSpec:
         r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, c.scaling, fp, c.bias_attr, c.lb_coef, c.z_coef,
-                       *c.groups)
+                       *c.groups, weight_attr=c.weight_attr, outputs=outputs)
         return MoEBlockSpec(router=r, returns_aux=returns_aux, checked=checked, **base)
 
     options = list(itertools.product(c.score_funcs, c.renorms, c.fp32_options))
@@ -208,8 +290,8 @@ def settle(c: Candidate) -> MoEBlockSpec:
     block = c.block
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
-    with torch.no_grad():
-        ref, ref_aux = _split(block(x), c.path)
+    with torch.no_grad(), _probe_router(c, gen):
+        ref, ref_aux, outputs = _reference(c, x, mode)
         if ref_aux is None and (c.lb_coef or c.z_coef):
             raise RecognitionError(
                 f"{c.path}: has auxiliary-loss coefficients (lb={c.lb_coef}, z={c.z_coef}) but its forward returns no "

@@ -19,6 +19,14 @@ class RouterSpec:
     n_group: int = 1  # group-limited routing: experts in n_group equal groups (1: ungrouped)
     topk_group: int = 1  # ... tokens pick their top-k among the best topk_group groups only
     group_score: str = "top2_sum"  # a group's score: sum of its top-2 (DeepSeek-V3, GLM-4) | max (V2)
+    weight_attr: str = "weight"  # the [N, d] weight inside the router module: its own, or one level down
+    #                             ("gate.weight" for router.gate, "wg.weight" for gate.wg, …)
+    outputs: tuple[str, str, str] = ("logits", "weights", "indices")  # the router's tuple order (components)
+
+    @property
+    def bias_in_router(self) -> bool:
+        """The score-correction bias is the router's own buffer; else the block holds it and passes it in."""
+        return bool(self.bias_attr) and "." in self.bias_attr
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,11 @@ class MoEBlockSpec:
     returns_aux: bool = False
     checked: bool = False  # the canonical form reproduced the block's own output on a probe batch
     param_views: tuple[ParamView, ...] = ()
+
+    @property
+    def router_weight_name(self) -> str:
+        """Name of the router's [N, d] weight in model.named_parameters()."""
+        return f"{self.path}.{self.router_attr}.{self.router.weight_attr}".lstrip(".")
 
     @property
     def in_name(self) -> str:

@@ -7,6 +7,7 @@ class names of the blocks themselves. Every failure names the module path and wh
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ TOPK_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k")
 SCORE_ATTRS = ("score_func", "scoring_func", "score_function")
 RENORM_ATTRS = ("norm_topk_prob", "renormalize", "normalize_topk")
 BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "score_correction_bias")
+SCALING_ATTRS = ("routed_scaling_factor", "route_scale")
 LB_ATTRS = ("lb_coef", "load_balancing_coef", "aux_loss_coef")
 Z_ATTRS = ("z_coef", "z_loss_coef", "router_z_loss_coef")
 ACT_ATTRS = ("act_fn", "act", "activation", "activation_fn")
@@ -114,15 +116,54 @@ def ffn_shape(mod: nn.Module, d: int, where: str) -> FFNShape | None:
     return None
 
 
-def router_of(block: nn.Module, path: str) -> tuple[str, nn.Module]:
-    for n in ROUTER_NAMES:
+INNER_ROUTER_NAMES = ("gate", "layer", "wg", "classifier", "linear", "proj")
+
+
+def _weight_2d(m: object) -> bool:
+    return isinstance(m, nn.Module) and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+
+
+def router_of(block: nn.Module, path: str, name: str | None = None) -> tuple[str, nn.Module, str]:
+    """(child name, router module, path of its [N, d] weight inside it): the weight is the router's own
+    (``gate.weight``) or one level down, in a Linear inside the router module (``router.gate``,
+    ``router.layer``, ``gate.wg``, ``router.classifier``)."""
+    names = (name,) if name else ROUTER_NAMES
+    for n in names:
         r = getattr(block, n, None)
-        if isinstance(r, nn.Module) and isinstance(getattr(r, "weight", None), torch.Tensor):
-            if r.weight.dim() == 2:
-                return n, r
+        if _weight_2d(r):
+            return n, r, "weight"
+    for n in names:
+        r = getattr(block, n, None)
+        if not isinstance(r, nn.Module):
+            continue
+        inner = next((i for i in INNER_ROUTER_NAMES if _weight_2d(getattr(r, i, None))), None)
+        if inner is not None:
+            if getattr(getattr(r, inner), "bias", None) is not None:
+                raise UnsupportedFeatureError(f"{path}.{n}.{inner}: router bias is not supported")
+            return n, r, f"{inner}.weight"
+        kids = [k for k, _ in r.named_children()]
+        if kids:
+            raise UnsupportedFeatureError(
+                f"{path}.{n}: the router is a small network (children {kids}), not one Linear [num_experts, "
+                f"d_model]; MLP routers are not supported (looked for a Linear named {INNER_ROUTER_NAMES})"
+            )
     raise RecognitionError(
-        f"{path}: has experts but no router: expected a child {ROUTER_NAMES} with a 2-D weight [num_experts, d_model]"
+        f"{path}: has experts but no router: expected a child {names} with a 2-D weight [num_experts, d_model] "
+        f"(its own, or in a Linear child {INNER_ROUTER_NAMES})"
     )
+
+
+def router_inputs(router: nn.Module, path: str) -> None:
+    """A router must route from the hidden states alone (plus, at most, a score-correction bias the block
+    passes in); one that reads token ids (hash routing) is refused."""
+    if isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward:
+        return
+    params = list(inspect.signature(router.forward).parameters.values())
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any("ids" in n for n in names):
+        raise UnsupportedFeatureError(
+            f"{path}: the router's forward takes {names}: routing by token ids (hash routing) is not supported"
+        )
 
 
 GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")
@@ -164,5 +205,5 @@ def unsupported_router_features(block: nn.Module, router: nn.Module, path: str) 
             f"{path}: the block implements its own capacity ({name}={cf}); remove it and pass "
             "moe_compile(..., capacity_factor=...) instead"
         )
-    if isinstance(router, nn.Linear) is False and getattr(router, "bias", None) is not None:
+    if not isinstance(router, nn.Linear) and isinstance(getattr(router, "bias", None), torch.Tensor):
         raise UnsupportedFeatureError(f"{path}: router bias on a non-Linear router is not supported")

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import sympy as sp
 import torch
 
 from ..ir import MOE_META, Role
+from ..runtime.dropless import DROPLESS_HEADROOM, find_dropless_state
 from ..runtime.route_plan import exact_capacity_factor
 from .formulas import FORMULAS, fig
 from .memory import GraphMemory, graph_memory
@@ -150,7 +152,8 @@ def _dispatch_spec(graphs: dict[str, torch.fx.GraphModule]):
 def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, capacity_factor: float | None,
                   micro_batches: int, optimizer_state_bytes: int, main_weights: bool | None, mxfp8: bool,
                   activation_dtype: torch.dtype | None, tokens: int | None,
-                  seq_len: int | None) -> tuple[dict[str, int | float | None], list[str]]:
+                  seq_len: int | None, dropless_factor=None,
+                  load_imbalance: float | None = None) -> tuple[dict[str, int | float | None], list[str]]:
     notes: list[str] = []
     spec, dnode = _dispatch_spec(graphs)
     if spec is not None:
@@ -169,7 +172,8 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         d=shape.d, h_e=shape.h_e, N=shape.N, K=shape.K, L=shape.layers, G=int(shape.gated),
         m_s=shape.m_s, G_s=1, sigma_s=0, P_bb=counts.backbone, P_lookup=counts.lookup, P_vec=counts.vector,
         pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep_dp=mesh.ep_dp, ep_mp=mesh.ep_mp,
-        c_f=mesh.ep_mp if capacity_factor is None else capacity_factor,
+        c_f=(min(mesh.ep_mp, dropless_factor or DROPLESS_HEADROOM)) if capacity_factor is None else capacity_factor,
+        h_d=DROPLESS_HEADROOM, rho=load_imbalance,
         m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
         b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8), H=None,
         L_attn=None, d_qk=None, d_v=None,
@@ -198,6 +202,8 @@ def _exact(name: str, v):
     """A value as sympy substitutes it. The capacity factor is the decimal the user wrote, as the dispatch
     pass reads it (runtime.route_plan.exact_capacity_factor: 1.1 → 11/10), so the figure
     C = ceiling(c_f·T·K) equals the receive-buffer rows the pass allocates (capacity_rows)."""
+    if isinstance(v, Fraction):
+        return sp.Rational(v.numerator, v.denominator)
     if name == "c_f" and not isinstance(v, sp.Basic):
         f = exact_capacity_factor(v)
         return sp.Rational(f.numerator, f.denominator)
@@ -237,15 +243,20 @@ def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | Non
             "high-water payload count summed over (stage, family) pools", "lease plan")
     else:
         notes.append("no lease plan: the program has no lease_plan (symmetric payload figures not planned)")
-    return Ledger(figures, {k: (float(v) if isinstance(v, sp.Rational) and v.q != 1 else
+    return Ledger(figures, {k: (float(v) if isinstance(v, Fraction) or (isinstance(v, sp.Rational) and v.q != 1) else
                                 (int(v) if isinstance(v, sp.Integer) else v))
                             for k, v in values.items() if v is not None}, notes)
 
 
 def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, main_weights: bool | None = None,
-               tokens: int | None = None, seq_len: int | None = None) -> Ledger:
-    """The ledger of a CompiledMoE (see :meth:`CompiledMoE.ledger`)."""
+               tokens: int | None = None, seq_len: int | None = None, load_imbalance: float | None = None) -> Ledger:
+    """The ledger of a CompiledMoE (see :meth:`CompiledMoE.ledger`). ``load_imbalance`` ρ (the most rows one
+    rank receives / T·K) sets the dropless figures C_rho, M_recv_rho; default: the observed high-water
+    of the steps run so far (1 before any)."""
     prog = cm.program
+    state = find_dropless_state(prog.ctx_id) if prog.options.capacity_factor is None else None
+    if load_imbalance is None and state is not None and state.high_water and state.blocks:
+        load_imbalance = state.high_water / max(r for r, _ in state.blocks.values())
     shape = moe_shape(prog.blocks.values())
     counts = count_params(cm.model, prog.blocks.values(), cm.is_expert_param, prog.ep_size)
     expected = shape.layers * shape.N * (2 + int(shape.gated)) * shape.d * shape.h_e
@@ -258,6 +269,7 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
         shape, counts, prog.mesh, graphs, capacity_factor=prog.options.capacity_factor,
         micro_batches=micro_batches, optimizer_state_bytes=optimizer_state_bytes, main_weights=main_weights,
         mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
+        dropless_factor=state.factor if state is not None else None, load_imbalance=load_imbalance or 1,
     )
     gm = None
     if "forward" in graphs:

@@ -41,11 +41,13 @@ from .symbols import (
     dp,
     ep_dp,
     ep_mp,
+    h_d,
     h_e,
     m,
     m_s,
     pp,
     q_mx,
+    rho,
     sigma_s,
 )
 
@@ -77,7 +79,19 @@ def _def(name: str, expr: sp.Expr, unit: str, group: str, doc: str) -> sp.Symbol
 # -- routing shapes -----------------------------------------------------------------------------
 R = _def("R", T * K, "rows", "routing", "routed rows per rank per MoE layer (T·K)")
 C = _def("C", sp.ceiling(c_f * T * K), "rows", "routing",
-         "receive-buffer rows per rank per MoE layer (capacity; dropless: ep_mp·T·K)")
+         "receive-buffer rows per rank per MoE layer (capacity; dropless: ceil(min(ep_mp, f)·T·K), f ≥ h_d)")
+_f_rho = sp.Min(ep_mp, h_d * 2 ** sp.Max(0, sp.ceiling(sp.log(rho / h_d, 2))))
+C_rho = _def("C_rho", sp.ceiling(_f_rho * T * K), "rows", "routing",
+             "dropless receive rows once the capacity followed a load of imbalance rho (h_d doubled until it "
+             "holds rho, at most ep_mp)")
+_def("C_bound", ep_mp * T * K, "rows", "routing", "dropless bound ep_mp·T·K (what a static dropless buffer needs)")
+_recv_row = (2 * d + (1 + G) * h_e) * b_a  # capacity-sized tensors of one layer: receive rows, expert output, pre-activations
+_def("M_recv_rho", C_rho * _recv_row, "bytes", "working",
+     "dropless: capacity-sized buffers of one MoE layer (receive, expert output, pre-activations) at imbalance rho")
+_def("M_recv_uniform", sp.ceiling(sp.Min(ep_mp, h_d) * T * K) * _recv_row, "bytes", "working",
+     "the same at rho ≤ h_d (uniform routing): the headroom capacity")
+_def("M_recv_bound", ep_mp * T * K * _recv_row, "bytes", "working",
+     "the same at the bound ep_mp·T·K (all rows to one rank; what a static dropless buffer always costs)")
 L_loc = _def("L_loc", N / ep_mp, "experts", "routing", "num_local_experts: routed experts stored per EP-MP rank")
 
 # -- parameters -------------------------------------------------------------------------------

@@ -57,7 +57,10 @@ dp = _sym("dp", "dense data-parallel degree D")
 cp = _sym("cp", "context-parallel degree C")
 ep_dp = _sym("ep_dp", "expert replica degree D_E")
 ep_mp = _sym("ep_mp", "expert-sharding degree M_E")
-c_f = _sym("c_f", "capacity factor: receive rows per rank = ceil(c_f T K); dropless is c_f = ep_mp")
+c_f = _sym("c_f", "capacity factor: receive rows per rank = ceil(c_f T K); dropless: the receive factor "
+           "min(ep_mp, f) the program compiled (f starts at the headroom h_d, doubles on overflow)")
+h_d = _sym("h_d", "dropless headroom: the first receive factor (runtime.dropless.DROPLESS_HEADROOM)")
+rho = _sym("rho", "load imbalance: the most rows one rank receives / T·K (1 uniform, ep_mp: all to one rank)")
 H = _sym("H", "high-water: simultaneously live symmetric payloads of one stage and family", "payloads")
 
 # -- bytes per element ----------------------------------------------------------------------

@@ -201,7 +201,10 @@ class MoELMOutput:
 
 
 class TinyMoELM(nn.Module):
-    """Decoder-only MoE LM. ``forward(input_ids, labels=None)``; labels are shifted inside, as in HF."""
+    """Decoder-only MoE LM. ``forward(input_ids, labels=None, position_ids=None, shift_labels=None,
+    num_items_in_batch=None)``: labels are shifted inside, as in HF; as in HF's causal-LM loss,
+    ``shift_labels`` are labels already shifted (then used as they are) and ``num_items_in_batch``
+    turns the token loss into a sum divided by it (a sequence shard's part of the whole loss)."""
 
     def __init__(self, cfg: TinyMoEConfig | None = None) -> None:
         super().__init__()
@@ -221,8 +224,10 @@ class TinyMoELM(nn.Module):
             else:
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers) if "proj" in name else std)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoELMOutput:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | None = None) -> MoELMOutput:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids
         x = self.embed(input_ids) + self.pos(pos)
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
@@ -230,7 +235,15 @@ class TinyMoELM(nn.Module):
             aux = aux + a
         logits = self.lm_head(self.norm(x))
         loss = None
-        if labels is not None:
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+        if labels is not None or shift_labels is not None:
+            if shift_labels is None:
+                lg, target = logits[:, :-1], labels[:, 1:]
+            else:
+                lg, target = logits, shift_labels
+            lg = lg.reshape(-1, logits.shape[-1]).float()
+            if num_items_in_batch is None:
+                ce = F.cross_entropy(lg, target.reshape(-1))
+            else:
+                ce = F.cross_entropy(lg, target.reshape(-1), reduction="sum") / num_items_in_batch
             loss = ce + aux
         return MoELMOutput(loss=loss, logits=logits, aux_loss=aux)

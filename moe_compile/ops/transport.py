@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import RuntimeFault
-from ..runtime import RoutePlan, get_context, keep_counts
+from ..runtime import get_context, keep_counts
+from ..runtime.dropless import find_dropless_state
 
 
 def _ctx(ctx: int, ep_size: int, block: str):
@@ -32,11 +33,13 @@ def dispatch(
     c = _ctx(ctx, ep_size, block)
     requested = c.transport.exchange_counts(counts.view(ep_size, -1), block)
     kept = keep_counts(requested, capacity)
+    watch = find_dropless_state(ctx)
+    if watch is not None and block in watch.blocks:  # dropless: would any rank receive more than capacity?
+        watch.observe(requested, capacity)  # tensors only; settled once per forward (runtime.dropless)
     layout = torch.stack([requested, kept])
-    plan = RoutePlan.from_layout(layout, c.ep_rank)
-    recv = c.transport.dispatch_rows(xs, plan, capacity, "dispatch", block)
+    recv = c.transport.dispatch_rows(xs, layout, capacity, "dispatch", block)
     c.stats.record_counts(block, counts, kept[c.ep_rank].reshape(-1))
-    return recv, plan.recv_counts.clone(), layout
+    return recv, kept[:, c.ep_rank, :].sum(0), layout
 
 
 @dispatch.register_fake
@@ -52,8 +55,7 @@ def _(xs, counts, ctx, block, capacity, ep_size):
 @torch.library.custom_op("moe::dispatch_backward", mutates_args=())
 def dispatch_backward(grad_recv: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, num_rows: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    plan = RoutePlan.from_layout(layout, c.ep_rank)
-    return c.transport.return_rows(grad_recv, plan, num_rows, "dispatch_backward", block)
+    return c.transport.return_rows(grad_recv, layout, num_rows, "dispatch_backward", block)
 
 
 @dispatch_backward.register_fake
@@ -79,7 +81,7 @@ dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 @torch.library.custom_op("moe::combine", mutates_args=())
 def combine(out: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, num_rows: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    return c.transport.return_rows(out, RoutePlan.from_layout(layout, c.ep_rank), num_rows, "combine", block)
+    return c.transport.return_rows(out, layout, num_rows, "combine", block)
 
 
 @combine.register_fake
@@ -90,8 +92,7 @@ def _(out, layout, ctx, block, num_rows):
 @torch.library.custom_op("moe::combine_backward", mutates_args=())
 def combine_backward(grad_back: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, capacity: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    plan = RoutePlan.from_layout(layout, c.ep_rank)
-    return c.transport.dispatch_rows(grad_back, plan, capacity, "combine_backward", block)
+    return c.transport.dispatch_rows(grad_back, layout, capacity, "combine_backward", block)
 
 
 @combine_backward.register_fake

@@ -1,9 +1,22 @@
 """insert_dispatch_combine — replace each logical routed-experts node by explicit token movement.
 
-Terms: T tokens on this rank, K = top_k, R = T·K routed rows, capacity = receive-buffer rows
-(ep_mp·R when dropless: no request can exceed it; otherwise the exact ceiling ⌈capacity_factor·R⌉ of the
-decimal factor, with the rank-level deterministic tail drop — both in :mod:`moe_compile.runtime.route_plan`,
-whose ``capacity_rows`` the ledger's figure C agrees with).
+Terms: T tokens on this rank, K = top_k, R = T·K routed rows, capacity = receive-buffer rows. With a
+capacity factor: the exact ceiling ⌈capacity_factor·R⌉ of the decimal factor, with the rank-level
+deterministic tail drop (:func:`moe_compile.runtime.route_plan.capacity_rows`). Dropless: memory follows
+the load, not the mesh (:mod:`moe_compile.runtime.dropless`):
+
+    capacity  C = ⌈min(ep_mp, f)·R⌉, f = the program's receive factor (starts at the headroom h = 1.5)
+    dispatch  every rank all-gathers the counts, so every rank knows the rows each rank would receive;
+              need = their max (a tensor), overflow |= need > C                 (no host sync)
+    forward   ends → one host read of overflow (the same on every rank of the group): if set, f grows
+              to the smallest doubling that holds need/R (≤ ep_mp, where nothing can overflow), this
+              pass runs again with the new C (a recorded, warned recompile) and the forward reruns
+              from the same inputs and RNG state; the overflowing attempt is discarded, never returned
+
+so no returned forward ever dropped a token, shapes stay static (C is a compile-time number), and the
+buffer is the high-water h·2^k·R of observed loads instead of ep_mp·R (the bound, ``capacity_rows(R,
+ep, None)``, which the capacity reaches only under a load that needs it). Recompiles are at most
+⌈log2(ep_mp/h)⌉ per run; the ledger's C and ``M_recv_rho`` give the rows and bytes per load imbalance ρ.
 
     y = routed_experts(x, idx, w, W_in, W_out)
   becomes
@@ -25,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import DispatchSpec, Stage
+from ..runtime.dropless import dropless_state
 from ..runtime.route_plan import capacity_rows
 from .base import PassContext, moe_nodes, moe_pass, op_arg, propagate_fake, tag_moe_nodes, val_shape
 
@@ -54,8 +68,11 @@ def insert_dispatch_combine(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
                                            "num_experts", "ctx", "block")}
         t, k = val_shape(a["idx"])
         rows = t * k
-        cap = capacity_rows(rows, prog.ep_size, prog.options.capacity_factor)
         block = a["block"]
+        if prog.options.capacity_factor is None:  # dropless: the load-following capacity (module docstring)
+            cap = dropless_state(prog.ctx_id, prog.ep_size).capacity(block, rows)
+        else:
+            cap = capacity_rows(rows, prog.ep_size, prog.options.capacity_factor)
         ctx.dispatch[block] = DispatchSpec(t, k, cap, prog.options.capacity_factor is None, prog.ep_size,
                                            prog.ep_group_name)
         new: list[fx.Node] = []

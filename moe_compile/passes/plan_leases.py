@@ -98,12 +98,12 @@ def collect_payloads(gm: fx.GraphModule, symmetric: bool) -> tuple[list[dict], i
 
 
 def assign_slots(records: list[dict], sharing: bool, schedule_len: int, boundary: int,
-                 in_flight: int = 1) -> LeasePlan:
+                 in_flight: int = 1, stage: int = 0) -> LeasePlan:
     payloads: list[Payload] = []
     slot_bytes: dict[tuple[int, str], int] = {}
     by_family: dict[tuple[int, str], list[dict]] = {}
     for r in records:
-        by_family.setdefault((0, r["family"]), []).append(r)
+        by_family.setdefault((stage, r["family"]), []).append(r)
     for key, recs in sorted(by_family.items()):
         slot_bytes[key] = max(r["nbytes"] for r in recs)
         free_at: list[int] = []  # per slot: the position from which it is free
@@ -116,7 +116,7 @@ def assign_slots(records: list[dict], sharing: bool, schedule_len: int, boundary
             payloads.append(Payload(slot=slot, stage=key[0], **r))
     payloads.sort(key=lambda p: (p.acquire, p.name))
     return LeasePlan(tuple(payloads), schedule_len, sharing, high_water(payloads), slot_bytes, boundary,
-                     in_flight={0: in_flight})
+                     in_flight={stage: in_flight})
 
 
 def high_water(payloads: list[Payload] | tuple[Payload, ...]) -> dict[tuple[int, str], int]:
@@ -156,8 +156,13 @@ def verify_lease_plan(plan: LeasePlan) -> None:
 def build_plan(gm: fx.GraphModule, ctx: PassContext) -> LeasePlan:
     records, length, boundary = collect_payloads(gm, ctx.program.transport == "symmetric")
     opts = ctx.program.options
-    plan = assign_slots(records, opts.lease_sharing, length, boundary, opts.forwards_in_flight)
+    prog = ctx.program
+    plan = assign_slots(records, opts.lease_sharing, length, boundary, opts.forwards_in_flight, prog.pipeline_stage)
     verify_lease_plan(plan)
+    if prog.schedule is not None:  # pipeline: prove the plan safe over the schedule's own action order
+        from ..schedules import verify_schedule
+
+        verify_schedule({prog.pipeline_stage: plan}, prog.schedule.order, prog.schedule.name)
     nodes = list(gm.graph.nodes)
     for p in plan.payloads:
         nodes[p.acquire].meta.setdefault(LEASE_META, []).append((p.name, "write"))

@@ -24,6 +24,7 @@ class RuntimeContext:
     ctx_id: int = -1
     leases: LeaseRuntime | None = None  # symmetric transport: lease pools over the symmetric heap
     weight_stores: dict[tuple[str, str], Any] = field(default_factory=dict)  # (block, which) → FP8WeightStore
+    cp_group: Any = None  # context-parallel process group (K/V all-gather); None at cp = 1
 
     def weight_store(self, block: str, which: str) -> Any:
         try:

@@ -38,6 +38,13 @@ from ..leases import LEASE_FAMILY, LeasePlan, Payload
 from .symmetric import SymmetricBuffer, SymmetricHeap
 
 ALIGN = 64
+
+
+def _collect() -> None:
+    """gc.collect() from inside a running compiled graph: with dynamo's frame hook off, so that the
+    Python frames collection runs (a generator closed by the collector) are not taken for code to
+    compile — under fullgraph that would raise an "Attempt to trace generator" error instead."""
+    torch._dynamo.disable(gc.collect)()
 FORWARD, BACKWARD = 0, 1  # phase of the graph that activates a plan
 
 
@@ -196,7 +203,7 @@ class LeaseRuntime:
             if free:
                 return free[0]
             if attempt == 0:
-                gc.collect()  # a freed autograd graph caught in a reference cycle ends its leases here
+                _collect()  # a freed autograd graph caught in a reference cycle ends its leases here
                 self._drain()
         raise RuntimeFault(
             f"{n + 1} forwards in flight, but the lease plan provisions {n} (forwards_in_flight={n}): "

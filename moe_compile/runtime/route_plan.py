@@ -6,9 +6,15 @@ so every rank derives the same drops. From it, each rank derives its own :class:
 
 Capacity rule (rank-level, deterministic tail drop): destination rank r takes at most ``capacity``
 rows; its requested rows are ordered by (source rank, local expert, token, k) and the tail is dropped.
-Dropless mode uses capacity = ep·T·K, which no request can exceed. :func:`capacity_rows` is the one
-place that number is computed (the dispatch pass sizes receive buffers with it; the ledger's figure
-``C = ceiling(c_f·T·K)`` substitutes :func:`exact_capacity_factor`, so the two agree exactly).
+``capacity_rows(R, ep, None)`` = ep·T·K is the dropless bound, which no request can exceed; dropless
+dispatch allocates less — the load-following capacity of :mod:`moe_compile.runtime.dropless` — and
+reruns a forward whose counts overflow it, so the tail drop never applies to a returned dropless forward.
+With a capacity factor :func:`capacity_rows` is the one place the number is computed (the dispatch pass
+sizes receive buffers with it; the ledger's figure ``C = ceiling(c_f·T·K)`` substitutes
+:func:`exact_capacity_factor`, so the two agree exactly).
+
+Host reads: :meth:`RoutePlan.from_layout` produces Python split lists (``.tolist()``) and row totals
+(``int()``) — what a collective with uneven splits needs; only ``AllToAllTransport`` builds one.
 
 The order does not depend on the order in which the router lists a token's K experts: a token routes
 to an expert at most once, so inside one (source, expert) segment the rows are in token order.
@@ -31,7 +37,8 @@ def exact_capacity_factor(capacity_factor: float) -> Fraction:
 
 def capacity_rows(rows: int, ep: int, capacity_factor: float | None) -> int:
     """Receive-buffer rows per rank for ``rows`` = T·K routed rows per rank and an EP-MP group of ``ep``:
-    ep·rows when dropless (``capacity_factor`` None), else the exact ceiling ⌈cf·rows⌉ of the decimal
+    ep·rows, the dropless bound (``capacity_factor`` None; dropless buffers are sized by
+    ``runtime.dropless.dropless_rows`` below it), else the exact ceiling ⌈cf·rows⌉ of the decimal
     value (cf=1.1, rows=90 → 99; cf=1.25, rows=8 → 10; cf=0.5, rows=7 → 4; cf=1.0 → rows)."""
     if capacity_factor is None:
         return ep * rows

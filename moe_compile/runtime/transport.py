@@ -2,7 +2,13 @@
 
 ``dispatch_rows``: permuted rows → the expert-major receive buffer of the rank storing their expert.
 ``return_rows``: expert-output rows → back to the rows they came from (dropped rows stay zero).
-Backward uses the same two movements in the mirrored direction.
+Backward uses the same two movements in the mirrored direction. Both take the dispatch ``layout``
+([2, ep, ep, L] requested / kept rows, a tensor); each transport derives what it needs from it.
+
+Host reads: a collective with uneven splits (``all_to_all_single``: gloo on CPU, NCCL on GPU) takes its
+split sizes as Python lists, so :class:`AllToAllTransport` builds a host :class:`RoutePlan` per movement
+(``RoutePlan.from_layout``: ``.tolist()`` of the send and receive splits, ``int()`` of the row totals).
+That is the documented, necessary host sync of that transport; the symmetric transport has none.
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ class Transport(ABC):
     def _move(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows to each peer (split by send_splits) → rows from each peer (split by recv_splits)."""
 
-    def dispatch_rows(self, xs: torch.Tensor, plan: RoutePlan, capacity: int, what: str, block: str = "") -> torch.Tensor:
+    def plan(self, layout: torch.Tensor) -> RoutePlan:
+        """The host route plan of this rank (split sizes as lists: the collective's host reads)."""
+        return RoutePlan.from_layout(layout, self.ep_rank)
+
+    def dispatch_rows(self, xs: torch.Tensor, layout: torch.Tensor, capacity: int, what: str,
+                      block: str = "") -> torch.Tensor:
+        plan = self.plan(layout)
         send = xs if plan.send_identity else xs.index_select(0, plan.send_index)
         flat = self._move(send, plan.send_splits, plan.recv_splits)
         self._count(what, send, plan.send_splits, plan.me)
@@ -50,7 +62,9 @@ class Transport(ABC):
             torch.index_select(flat, 0, plan.recv_inverse, out=head)
         return recv
 
-    def return_rows(self, out: torch.Tensor, plan: RoutePlan, num_rows: int, what: str, block: str = "") -> torch.Tensor:
+    def return_rows(self, out: torch.Tensor, layout: torch.Tensor, num_rows: int, what: str,
+                    block: str = "") -> torch.Tensor:
+        plan = self.plan(layout)
         head = out[: plan.valid]
         flat = head if plan.recv_identity else head.index_select(0, plan.recv_pos)
         back_rows = self._move(flat, plan.recv_splits, plan.send_splits)

@@ -378,7 +378,7 @@ def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None
 
 
 # -- load ------------------------------------------------------------------------------------------
-def _check_against_model(path: Path, expected: dict[str, list[int]]) -> None:
+def _check_against_model(path: Path, expected: dict[str, list[int]], foreign: frozenset[str] = frozenset()) -> None:
     """Names and global shapes in DCP's metadata must be the model's, before anything is read."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -389,7 +389,7 @@ def _check_against_model(path: Path, expected: dict[str, list[int]]) -> None:
         raise CheckpointError(f"checkpoint {path}: cannot read its metadata ({_brief(e)})") from e
     have = {k: list(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     missing = sorted(set(expected) - set(have))
-    unexpected = sorted(set(have) - set(expected))
+    unexpected = sorted(set(have) - set(expected) - foreign)  # foreign: other pipeline stages' tensors
     wrong = [f"{k}: checkpoint {tuple(have[k])}, model {tuple(expected[k])}"
              for k in sorted(set(have) & set(expected)) if have[k] != expected[k]]
     if missing or unexpected or wrong:
@@ -402,6 +402,14 @@ def _check_against_model(path: Path, expected: dict[str, list[int]]) -> None:
             parts.append(f"{len(unexpected)} tensor(s) the model does not have, e.g. {unexpected[:4]}")
         raise CheckpointError(f"checkpoint {path} does not match the compiled model: " + " | ".join(parts)
                               + "; nothing was loaded")
+
+
+def _foreign(cm: CompiledMoE) -> frozenset[str]:
+    """Checkpoint keys of the parameters other pipeline stages hold (empty at pp = 1)."""
+    from .optimizer import STATE_KINDS
+
+    names = [n for n, _ in cm.model.named_parameters() if not cm.owns(n)]
+    return frozenset([f"model.{n}" for n in names] + [f"optim.{n}.{k}" for n in names for k in STATE_KINDS])
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -429,7 +437,8 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     staged_opt = opt.new_state()
     full = _state(cm, opt, fresh=True, opt_state=staged_opt)
     train = _train_tensors()
-    _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}})
+    _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}},
+                         _foreign(cm))
     trainable = {f"model.{n}" for n in opt.slots}
     # Trainable parameters come back from the FP32 main weights (copy-back); frozen ones
     # (requires_grad=False, no main weight) from their saved values, with buffers, optimizer, position.

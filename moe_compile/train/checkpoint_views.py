@@ -1,6 +1,7 @@
 """Checkpoint-view DTensors: global views of the compiled model's tensors for torch.distributed.checkpoint.
 
-Dense parameters and buffers: replicated over the stage's dense mesh (dp, cp). Routed-expert shards:
+Each rank views the tensors of its own pipeline stages (the stages' keys are disjoint, so a checkpoint
+saved under one pp loads under another). Dense parameters and buffers: replicated over the stage's dense mesh (dp, cp). Routed-expert shards:
 ``Shard(0)`` over ep_mp and replicated over ep_dp, so the global view is the whole [N, …] tensor while
 no rank materialises it.
 """
@@ -34,6 +35,8 @@ def checkpoint_views(cm: CompiledMoE, fresh: bool = False) -> dict[str, Any]:
     ep = cm.program.ep_size
     out: dict[str, Any] = {}
     for name, t in cm.model.state_dict().items():
+        if not cm.owns(name):  # another pipeline stage saves (and loads) it
+            continue
         t = own(cm.weight_value(name, t))
         if cm.is_expert_param(name):
             shape = (t.shape[0] * ep,) + tuple(t.shape[1:])
@@ -45,7 +48,7 @@ def checkpoint_views(cm: CompiledMoE, fresh: bool = False) -> dict[str, Any]:
 
 
 def load_checkpoint_views(cm: CompiledMoE, state_dict: dict[str, Any], strict: bool = True):
-    own = cm.model.state_dict()
+    own = {k: v for k, v in cm.model.state_dict().items() if cm.owns(k)}
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if strict and (missing or unexpected):

@@ -221,6 +221,17 @@ class MultiGroupDistributedDataParallel:
         self._next = 0
         self._task = None
 
+    def sync_now(self) -> None:
+        """Reduce every bucket now: the gradients that backwards under ``no_sync`` accumulated (a
+        pipeline schedule runs one backward per microbatch and stage)."""
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("MultiGroupDistributedDataParallel.sync_now called during a backward")
+        if self._task is not None:
+            self._abandon()
+        for b in self.buckets:
+            b.ready.clear()
+        self._finish()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces the total."""

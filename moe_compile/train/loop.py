@@ -3,13 +3,12 @@
     cm  = moe_compile(model in fp32 | bf16, mesh, mxfp8="experts" for --precision mxfp8)
     opt = OLMoDDPOptimizer(cm)                           FP32 main weights, ZeRO-1 per family
     resume: load_checkpoint(latest in --ckpt)            under the current mesh (topology portability)
-    each step: m microbatches (first m−1 under no_sync, loss/m) → opt.step() → zero_grad
+    each step: cm.train_step over m microbatches (pipeline schedule at pp > 1) → opt.step() → zero_grad
                every --save-every steps: save_checkpoint (atomic)
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -48,7 +47,8 @@ class TrainConfig:
     data: str | None = None
     log_every: int = 1
     precision: str = "fp32"  # fp32 | bf16 (model in BF16, FP32 main weights) | mxfp8 (routed experts)
-    grad_accum: int = 1  # m: microbatches per optimizer step
+    grad_accum: int = 1  # m: microbatches per optimizer step (--microbatches)
+    schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1
     ckpt: str | None = None
     save_every: int = 0  # 0: only at the end (when --ckpt is given)
     resume: bool = False
@@ -89,22 +89,18 @@ def compile_for(cfg: TrainConfig, model: nn.Module) -> Any:
 
     mesh = MeshSpec.parse(cfg.mesh) if cfg.mesh else MeshSpec()
     extra = {"mxfp8": "experts"} if cfg.precision == "mxfp8" else {}
-    return moe_compile(model, mesh, capacity_factor=cfg.capacity_factor, **extra)
+    return moe_compile(model, mesh, capacity_factor=cfg.capacity_factor, microbatches=cfg.grad_accum,
+                       schedule=cfg.schedule, **extra)
 
 
 def train_step(cm: Any, opt: OLMoDDPOptimizer, microbatches: list[torch.Tensor]) -> tuple[torch.Tensor, StepResult]:
-    """One optimizer step over m microbatches: gradients accumulate locally (no_sync) and are
-    reduced once, on the last. Returns this rank's mean loss and the step result."""
-    m = len(microbatches)
-    total = torch.zeros((), dtype=torch.float32)
-    for j, batch in enumerate(microbatches):
-        with cm.no_sync() if j < m - 1 else contextlib.nullcontext():
-            loss = cm(input_ids=batch, labels=batch).loss
-            (loss / m).backward()
-        total += loss.detach().float()
+    """One optimizer step over m microbatches (cm.train_step: the pipeline schedule, or accumulation
+    with one reduction at pp = 1). Returns this replica's mean loss and the step result."""
+    batch = torch.cat(microbatches)
+    loss = cm.train_step(input_ids=batch, labels=batch, microbatches=len(microbatches))
     result = opt.step()
     opt.zero_grad()
-    return total / m, result
+    return loss.detach().float(), result
 
 
 def _metrics_sink(path: str | None, resume_step: int):
@@ -146,7 +142,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         elif leader:
             print(f"--resume: no checkpoint in {cfg.ckpt} yet; starting at step 0", flush=True)
     m = cfg.grad_accum
-    micro_per_step = spec.dp * spec.cp * m
+    micro_per_step = spec.dp * m  # a CP group (and a pipeline) shares one replica's batch
     tokens_per_step = cfg.batch_size * cfg.seq_len * micro_per_step
     sink = _metrics_sink(cfg.metrics_jsonl, start) if leader else None
     bar = tqdm(total=cfg.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,

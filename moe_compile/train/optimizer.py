@@ -154,8 +154,8 @@ class OLMoDDPOptimizer:
     # -- layout ------------------------------------------------------------------------------------
     def _family(self, kind: str) -> _Family:
         cm, g = self.cm, self.cm.groups
-        params = [(n, p) for n, p in cm.model.named_parameters()
-                  if p.requires_grad and cm.is_expert_param(n) == (kind == "expert")]
+        params = [(n, p) for n, p in cm.model.named_parameters()  # this rank's pipeline stages only
+                  if p.requires_grad and cm.owns(n) and cm.is_expert_param(n) == (kind == "expert")]
         ep, ep_rank = cm.program.ep_size, cm.program.ep_rank
         group, mesh, placements = None, None, ()
         if g is not None:

@@ -148,7 +148,7 @@ def _id(s: str) -> str:
 
 def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = None, max_nodes: int = 350,
                reductions: Iterable[Reduction] = (), highlight: Iterable[str] = (), only_group: str | None = None,
-               pp: int = 1, direction: str | None = None) -> GraphView:
+               pp: int = 1, direction: str | None = None, stage: int = 0) -> GraphView:
     """A pydot graph of ``gm`` (see the module docstring). ``collapse``: False (every node), True (per
     layer, MoE nodes kept), "layers" (one node per layer) or None (the first that fits ``max_nodes``).
     ``direction``: "fwd" / "bwd" for a forward / backward graph; None reads each node's partitioner tag
@@ -205,7 +205,7 @@ def build_view(gm: fx.GraphModule, *, title: str = "", collapse: bool | None = N
                     compound="true", newrank="true")
     dot.set_node_defaults(fontname="Helvetica", fontsize="10")
     dot.set_edge_defaults(fontname="Helvetica", fontsize="8", color="#6b7280")
-    stage = pydot.Cluster("stage0", label=f"pipeline stage 0 (pp={pp})", style="rounded", color="#9ca3af")
+    stage = pydot.Cluster(f"stage{stage}", label=f"pipeline stage {stage} (pp={pp})", style="rounded", color="#9ca3af")
     dot.add_subgraph(stage)
     clusters: dict[str, pydot.Cluster] = {}
 

@@ -1,0 +1,68 @@
+"""Context-parallel figures for ``moe-compile explain`` (mesh with cp > 1).
+
+Glossary: C / CP, S, B. Read from the compiled graphs of the explained rank (one micro-batch of B
+sequences of S tokens; this rank holds S/cp of each):
+
+    kv_gathered      bytes the K/V all-gathers return per step (every layer, one micro-batch)
+    cp_bytes         bytes a rank receives in the K/V all-gathers, (cp−1)/cp of kv_gathered, and the
+                     same again in backward's reduce-scatter of their gradients
+    attn_flops       attention FLOPs per rank per step: QKᵀ and PV against all S keys,
+                     4·B·H·(S/cp)·S·hd per layer forward, ×3 with backward (the all-gather form
+                     computes the masked half too; the causal work is half of it)
+    saved            activations the forward keeps for backward (the ledger's M_saved)
+
+Scaling with cp' ∈ {1, 2, 4, 8} at the same S: tokens and per-token activations divide by cp'; the
+gathered K/V that attention keeps stay whole:
+    saved(cp') ≈ (saved − kv_gathered)·cp/cp' + kv_gathered
+    attn_flops(cp') = attn_flops·cp/cp',   cp_bytes(cp') = kv_gathered·(cp'−1)/cp'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def cp_rows(cm, ledger) -> dict[str, Any] | None:
+    spec = cm.program.mesh
+    fwd = cm.program.graphs.get("forward")
+    if spec.cp == 1 or fwd is None:
+        return None
+    cp = spec.cp
+    gathers = [n for n in fwd.graph.nodes if n.op == "call_function" and "moe_cp" in str(n.target)]
+    kv = [n for n in gathers if n.meta["val"].is_floating_point()]
+    kv_bytes = sum(_nbytes(n.meta["val"]) for n in kv)
+    flops = 0
+    for n in cm.program.graphs.get("partitioned", fwd).graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target):
+            q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+            b, h, sq, hd = (int(x) for x in q.shape)
+            flops += 4 * b * h * sq * int(k.shape[-2]) * hd
+    try:
+        saved = int(ledger["M_saved"])
+    except (KeyError, TypeError, ValueError):
+        saved = None
+    scaling = []
+    for c in (1, 2, 4, 8):
+        scaling.append({"cp": c, "saved_bytes": (saved - kv_bytes) * cp // c + kv_bytes if saved is not None else None,
+                        "attn_flops": 3 * flops * cp // c, "cp_bytes": 2 * kv_bytes * (c - 1) // c})
+    return {"cp": cp, "kv_gathered_bytes": kv_bytes, "cp_bytes_per_step": 2 * kv_bytes * (cp - 1) // cp,
+            "attn_flops_per_step": 3 * flops, "saved_bytes": saved, "scaling": scaling,
+            "all_gathers": len(kv)}
+
+
+def cp_table_html(data: dict[str, Any]) -> str:
+    import html
+
+    head = html.escape(f"cp={data['cp']}: K/V all-gathered {data['kv_gathered_bytes']:,} B per step "
+                       f"({data['all_gathers']} all-gathers); CP traffic per rank {data['cp_bytes_per_step']:,} B "
+                       f"(all-gather + reduce-scatter); attention {data['attn_flops_per_step']:,} FLOP per rank")
+    rows = "".join(f"<tr><td>{r['cp']}</td><td>{r['saved_bytes'] or 0:,}</td><td>{r['attn_flops']:,}</td>"
+                   f"<td>{r['cp_bytes']:,}</td></tr>" for r in data["scaling"])
+    return (f"<p>{head}</p><table><tr><th>cp</th><th>saved activations (B)</th><th>attention FLOP</th>"
+            f"<th>CP bytes</th></tr>{rows}</table>")

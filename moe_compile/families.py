@@ -1,0 +1,158 @@
+"""Every MoE causal-LM family of the installed transformers, and whether moe_compile compiles it.
+
+The families come from transformers' own registries: every model type of
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config class declares a routed-expert field
+(:data:`~moe_compile.models.hf.MOE_FIELDS`). Multimodal wrappers (whose experts live in a
+``text_config``) are covered by their ``*_text`` model type, which the registry lists on its own.
+
+For each family :func:`check_family` builds a tiny random config (:func:`tiny_family_config`: 2 layers,
+d=64, 8 experts, top-2, vocab 256), runs the dense model and the compiled one on the same batches and
+compares the loss and every gradient (fp32). The outcome is one of:
+
+* ``compiled``: parity within ``tol`` (max relative error of each tensor against its own scale);
+* ``error``: moe_compile refused it with a :class:`MoECompileError` (the message says why);
+* ``wrong``: it compiled but the loss or a gradient differs;
+* ``crash``: any other exception (from moe_compile, or the tiny config could not be built/run densely:
+  the message says which stage).
+
+``moe-compile families`` prints the table; ``tests/test_families.py`` fails on ``wrong`` and ``crash``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .errors import MoECompileError
+
+TOL = 1e-5
+STATUSES = ("compiled", "error", "wrong", "crash")
+
+
+@dataclass(frozen=True)
+class FamilyResult:
+    family: str  # the transformers model type
+    status: str  # compiled | error | wrong | crash
+    message: str  # the error, or "loss … grad …" errors for compiled/wrong
+    loss_err: float | None = None
+    grad_err: float | None = None
+    worst: str | None = None  # the parameter with the largest gradient error
+    seconds: float = 0.0
+    module_paths: tuple[str, ...] = ()  # the dense model's module names (to check errors name one)
+
+    def summary(self) -> str:
+        first = self.message.splitlines()[0] if self.message else ""
+        return f"{self.family:<22} {self.status:<9} {first}"
+
+
+def moe_families() -> list[str]:
+    """Model types of every MoE causal LM the installed transformers registers, sorted."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .models.hf import MOE_FIELDS, _fields
+
+    return sorted(mt for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                  if mt in CONFIG_MAPPING and set(MOE_FIELDS) & _fields(CONFIG_MAPPING[mt]))
+
+
+def _batches(world: int, vocab: int, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1007)
+    return [torch.randint(3, vocab, (batch, seq), generator=g) for _ in range(world)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1, tol: float = TOL,
+                 **config_overrides) -> FamilyResult:
+    """Compile one family's tiny random model on ``mesh`` and compare it with the dense model.
+
+    Call on every rank of an initialised world (or in one process for a one-rank mesh); every rank
+    returns its own result (each compares its own loss and the reduced gradients)."""
+    from . import MeshSpec, moe_compile
+    from .models.hf import tiny_family_model
+
+    t0 = time.perf_counter()
+
+    def result(status, message, **kw):
+        return FamilyResult(family, status, message, seconds=time.perf_counter() - t0, **kw)
+
+    try:
+        model = tiny_family_model(family, **config_overrides)
+        paths = tuple(n for n, _ in model.named_modules() if n)
+        batches = _batches(world, model.config.get_text_config().vocab_size)
+        ref = copy.deepcopy(model)
+        ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+        torch.stack(ref_losses).mean().backward()
+        ref_grads = _grads(ref)
+        del ref
+    except Exception as e:  # noqa: BLE001 - reported as the family's outcome
+        return result("crash", f"tiny config / dense model: {_first_line(e)}")
+    cm = None
+    try:
+        cm = moe_compile(model, MeshSpec.parse(mesh).resolve(world))
+        out = cm(input_ids=batches[rank], labels=batches[rank])
+        out.loss.backward()
+        grads = cm.full_grads()
+    except MoECompileError as e:
+        return result("error", f"{type(e).__name__}: {e}", module_paths=paths)
+    except Exception as e:  # noqa: BLE001
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" (at {tb[-1].filename.rsplit('/', 2)[-2:]}:{tb[-1].lineno})" if tb else ""
+        return result("crash", f"{_first_line(e)}{where}", module_paths=paths)
+    finally:
+        if cm is not None:
+            cm.close()
+    ref_loss = ref_losses[rank].item()
+    loss_err = abs(out.loss.item() - ref_loss) / max(1.0, abs(ref_loss))
+    if set(grads) != set(ref_grads):
+        return result("wrong", f"gradient names differ: {sorted(set(grads) ^ set(ref_grads))[:4]}")
+    worst = max(grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+    grad_err = _rel(grads[worst], ref_grads[worst])
+    ok = loss_err <= tol and grad_err <= tol
+    msg = f"loss err {loss_err:.1e}, grad err {grad_err:.1e} ({worst})"
+    return result("compiled" if ok else "wrong", msg, loss_err=loss_err, grad_err=grad_err, worst=worst,
+                  module_paths=paths)
+
+
+def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1,
+          progress=None) -> list[FamilyResult]:
+    """:func:`check_family` for every family (default: all of :func:`moe_families`), in order."""
+    out = []
+    for f in families if families is not None else moe_families():
+        out.append(check_family(f, mesh, rank, world))
+        if progress is not None:
+            progress(out[-1])
+    return out
+
+
+def sweep_worker(rank: int, world: int, families: list[str] | None, mesh: str) -> list[FamilyResult]:
+    """For :func:`moe_compile.runtime.launcher.spawn_ranks`: one rank of a sweep."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return sweep(families, mesh, rank, world)
+
+
+def format_table(results: list[FamilyResult]) -> str:
+    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
+    lines = [f"{'family':<22} {'status':<9} detail"] + [r.summary() for r in results]
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" of {len(results)} families")
+    return "\n".join(lines)

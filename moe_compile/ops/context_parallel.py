@@ -1,0 +1,86 @@
+"""Context-parallel collectives over a rank's CP group (namespace ``moe_cp``; not MoE-block ops):
+
+    moe_cp::all_gather(x, dim, ctx, cp)       → the CP group's shards of x concatenated along dim, in
+                                                CP-rank order; backward: moe_cp::reduce_scatter
+    moe_cp::reduce_scatter(g, dim, ctx, cp)   → Σ over the CP group of g, this rank's slice along dim
+                                                (all-reduce then slice: gloo has no reduce-scatter)
+
+K/V of attention travel through all_gather in forward and their gradients through reduce_scatter
+in backward (the all-gather form of context-parallel attention). Integer tensors (positions) have
+no gradient. ``cp`` is the group size, so that fake kernels know the gathered shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import get_context
+
+
+def _group(ctx: int):
+    g = get_context(ctx).cp_group
+    if g is None:
+        raise RuntimeError(f"runtime context {ctx} has no context-parallel group")
+    return g
+
+
+@torch.library.custom_op("moe_cp::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, ctx: int, cp: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=_group(ctx))
+    return torch.cat(parts, dim)
+
+
+@all_gather.register_fake
+def _(x, dim, ctx, cp):
+    shape = list(x.shape)
+    shape[dim] *= cp
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("moe_cp::reduce_scatter", mutates_args=())
+def reduce_scatter(g: torch.Tensor, dim: int, ctx: int, cp: int) -> torch.Tensor:
+    group = _group(ctx)
+    total = g.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    n = g.shape[dim] // cp
+    return total.narrow(dim, dist.get_rank(group) * n, n).clone()
+
+
+@reduce_scatter.register_fake
+def _(g, dim, ctx, cp):
+    shape = list(g.shape)
+    shape[dim] //= cp
+    return g.new_empty(shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.dim, ctx.ctx_id, ctx.cp = inputs[1], inputs[2], inputs[3]
+
+
+def _backward(ctx, grad):
+    return torch.ops.moe_cp.reduce_scatter(grad, ctx.dim, ctx.ctx_id, ctx.cp), None, None, None
+
+
+def _backward_rs(ctx, grad):
+    return torch.ops.moe_cp.all_gather(grad, ctx.dim, ctx.ctx_id, ctx.cp), None, None, None
+
+
+all_gather.register_autograd(_backward, setup_context=_setup)
+reduce_scatter.register_autograd(_backward_rs, setup_context=_setup)
+
+
+class LossSum(torch.autograd.Function):
+    """Σ over the CP group of each rank's part of the whole-sequence loss; every rank then holds the
+    whole loss, and backward hands each rank's part gradient 1 (its tokens' share), not cp."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group) -> torch.Tensor:
+        total = part.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None

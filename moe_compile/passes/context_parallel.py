@@ -1,0 +1,106 @@
+"""context_parallel_attention — make every attention node see the whole sequence (cp > 1).
+
+Glossary: C / CP, S. Under context parallelism each rank's graph runs on its sequence shard (S/cp
+tokens: chunks r and 2cp−1−r of 2cp, see runtime/context_parallel.py), with the tokens' global
+position ids as the ``position_ids`` graph input. Everything per token then runs as it is; attention
+is the one op that mixes tokens, so this pass rewrites each scaled-dot-product-attention node:
+
+    K = moe_cp::all_gather(k, seq dim)        V = moe_cp::all_gather(v, seq dim)
+    kpos = moe_cp::all_gather(position_ids)   (once per graph)
+    mask = kpos[b, None, None, :] ≤ qpos[b, None, :, None]      causal by global positions
+    out  = sdpa(q, K, V, attn_mask=mask, scale, enable_gqa)     (GQA kept as the model had it)
+
+Backward of the all-gathers reduce-scatters the K/V gradients. The model's own causal or
+packed-sequence mask for the local shard is replaced: under cp the batch has no padding mask (checked
+at run time) and attention is causal (or bidirectional when the node has neither mask nor
+``is_causal``). A graph with no SDPA node (the eager matmul-softmax form) or with dropout in
+attention is refused, naming the module; sliding-window attention is refused at compile time.
+
+Requires DENSE, ensures DENSE. A no-op at cp = 1.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..errors import UnsupportedFeatureError
+from ..ir import Stage
+from .base import PassContext, moe_pass, propagate_fake, user_line
+
+SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _arg(n: fx.Node, i: int, default=None):
+    name = _ARGS[i]
+    if name in n.kwargs:
+        return n.kwargs[name]
+    return n.args[i] if i < len(n.args) else default
+
+
+def _where(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else n.name
+
+
+@moe_pass(requires=Stage.DENSE, ensures=Stage.DENSE)
+def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    prog = ctx.program
+    cp = prog.mesh.cp
+    if cp == 1:
+        return gm
+    g = gm.graph
+    nodes = list(g.nodes)
+    attn = [n for n in nodes if n.op == "call_function" and n.target in SDPA]
+    if not attn:
+        soft = next((n for n in nodes if n.op in ("call_function", "call_method") and "softmax" in str(n.target)
+                     and "attn" in _where(n).lower()), None)
+        where = f" ({_where(soft)})" if soft is not None else ""
+        raise UnsupportedFeatureError(
+            f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
+            f"none{where}: run the model's attention through SDPA (transformers: attn_implementation='sdpa')")
+    pos = [n for n in nodes if n.op == "placeholder" and "position_ids" in n.name]
+    if len(pos) != 1:
+        raise UnsupportedFeatureError(
+            f"context parallelism (cp={cp}) feeds each shard's global position ids to the model as position_ids, "
+            "but the captured graph takes none: the model's forward must accept position_ids")
+    pos = pos[0]
+    with g.inserting_after(pos):
+        kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
+    propagate_fake([kpos])
+    for n in attn:
+        dropout = _arg(n, 4, 0.0)
+        if dropout not in (0, 0.0):
+            raise UnsupportedFeatureError(f"{_where(n)}: attention dropout {dropout} under context parallelism"
+                                          f"{user_line(n)}")
+        q, k, v = _arg(n, 0), _arg(n, 1), _arg(n, 2)
+        causal = _arg(n, 3) is not None or bool(_arg(n, 5, False))
+        seq = len(k.meta["val"].shape) - 2
+        new: list[fx.Node] = []
+        with g.inserting_before(n):
+            kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, seq, prog.ctx_id, cp))
+            vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, seq, prog.ctx_id, cp))
+            new += [kg, vg]
+            kwargs = {"scale": _arg(n, 6)}
+            if _arg(n, 7, False):
+                kwargs["enable_gqa"] = True
+            if causal:
+                qp = g.call_function(torch.unsqueeze, (g.call_function(torch.unsqueeze, (pos, 1)), -1))
+                kp = g.call_function(torch.unsqueeze, (g.call_function(torch.unsqueeze, (kpos, 1)), 1))
+                mask = g.call_function(operator.le, (kp, qp))
+                new += [qp.args[0], qp, kp.args[0], kp, mask]
+                kwargs["attn_mask"] = mask
+            out = g.call_function(F.scaled_dot_product_attention, (q, kg, vg), kwargs)
+            new.append(out)
+        out.meta.update({k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        new_sorted = sorted(set(new), key=lambda x: list(g.nodes).index(x))
+        propagate_fake(new_sorted)
+        n.replace_all_uses_with(out)
+        g.erase_node(n)
+    g.eliminate_dead_code()
+    gm.recompile()
+    return gm

@@ -1,0 +1,318 @@
+"""split_stages: cut the captured model graph into pipeline stages at decoder-layer boundaries.
+
+Glossary: P / PP (stages), B / m (microbatches), P_local. The split has two halves:
+
+    plan_split(model, blocks, S, pp_split)      structure → StageSplit (before any capture)
+        layers  = the nn.ModuleList that holds the MoE blocks' decoder layers
+        cost(l) = dense parameters of layer l + routed-expert parameters · K/N  (≈ FLOPs per token;
+                  saved activations follow the same GEMMs); the head (parameters after the layers,
+                  the LM head) counts on the last stage
+        default = contiguous layer ranges minimising the most expensive stage (exact, by dynamic
+                  programming); ``pp_split`` (module paths of each later stage's first layer) overrides
+        owner   = every parameter's stage: its layer's, or 0 / S−1 for modules registered before /
+                  after the layers (embeddings first, norm and head last)
+
+    split_graph(gm, split, names, batch)        captured graph → one GraphModule per stage
+        stage(node) = its decoder layer's stage (nn_module_stack), a parameter's owner stage, else the
+                      latest stage of its inputs; a node that needs only batch inputs and buffers
+                      (position ids, masks, rotary tables, shifted labels) is *free*: every stage
+                      that uses it recomputes it instead of receiving it
+        boundary s  = values made before stage s and used at or after it, in graph order: stage s−1
+                      returns them, stage s receives them (values just passing through included)
+        stage s     = (boundary s activations, batch inputs by name) → boundary s+1 | graph output
+
+A parameter used on another stage than its owner (tied input/output embeddings across stages, a
+model that uses a module out of registration order) is refused with the two stages named.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import IRError, MeshError, UnsupportedFeatureError
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    layers_path: str  # module path of the decoder-layer list, e.g. "model.layers"
+    layer_stage: tuple[int, ...]  # stage of each decoder layer
+    num_stages: int  # S = pp · v
+    owner: dict[str, int] = field(default_factory=dict)  # parameter name → stage
+    cost: tuple[float, ...] = ()  # per-stage cost the split balanced
+
+    def layers_of(self, stage: int) -> list[int]:
+        return [i for i, s in enumerate(self.layer_stage) if s == stage]
+
+    def first_layer_paths(self) -> list[str]:
+        return [f"{self.layers_path}.{self.layers_of(s)[0]}" for s in range(self.num_stages)]
+
+
+def find_layer_list(model: nn.Module, block_paths: list[str]) -> tuple[str, nn.ModuleList]:
+    """The ModuleList whose items contain the MoE blocks (the decoder layers)."""
+    mods = dict(model.named_modules())
+    found: set[str] = set()
+    for path in block_paths:
+        parts = path.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            parent = ".".join(parts[:i - 1]) if i > 1 else ""
+            if parts[i - 1].isdigit() and isinstance(mods.get(parent), nn.ModuleList):
+                found.add(parent)
+                break
+        else:
+            raise UnsupportedFeatureError(f"{path}: pipeline parallelism cuts at decoder layers, but this MoE block "
+                                          "is not inside an nn.ModuleList of layers")
+    if len(found) != 1:
+        raise UnsupportedFeatureError(f"pipeline parallelism needs one list of decoder layers; the MoE blocks sit "
+                                      f"in {sorted(found)}")
+    path = found.pop()
+    return path, mods[path]
+
+
+def _layer_cost(layer: nn.Module, prefix: str, routed: dict[str, float]) -> float:
+    total = 0.0
+    for name, p in layer.named_parameters(prefix=prefix):
+        total += p.numel() * routed.get(name, 1.0)
+    return total
+
+
+def _balanced(costs: list[float], stages: int, tail: float) -> list[int]:
+    """First layer of each stage: contiguous ranges minimising the largest stage cost (tail on the last)."""
+    n = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the least max-cost of splitting layers [0, i) into k stages; cut[k][i]: where stage k starts
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                c = pre[i] - pre[j] + (tail if k == stages else 0.0)
+                v = max(best[k - 1][j], c)
+                if v < best[k][i] - 1e-9:
+                    best[k][i], cut[k][i] = v, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        starts.append(cut[k][i])
+        i = cut[k][i]
+    return starts[::-1]
+
+
+def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[str] | None = None) -> StageSplit:
+    """Assign decoder layers and parameters to ``num_stages`` pipeline stages (see module docstring)."""
+    path, layers = find_layer_list(model, [s.path for s in blocks])
+    n = len(layers)
+    if n < num_stages:
+        raise MeshError(f"{path} has {n} decoder layers, too few to cut into {num_stages} pipeline stages "
+                        "(pp · stages per rank); each stage needs at least one layer")
+    routed = {}
+    for s in blocks:  # routed experts: only K of N run per token
+        frac = s.router.top_k / s.experts.num_experts
+        for name in (s.in_name, s.out_name):
+            routed[name] = frac
+    costs = [_layer_cost(layers[i], f"{path}.{i}", routed) for i in range(n)]
+    order = [name for name, _ in model.named_modules()]
+    first = order.index(f"{path}.0")
+    last = order.index(f"{path}.{n - 1}")
+    mod_pos = {name: i for i, name in enumerate(order)}
+    tail = 0.0
+    for name, p in model.named_parameters():
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        if mod_pos.get(mod, 0) > last and not name.startswith(path + "."):
+            tail += p.numel()
+    if pp_split is not None:
+        starts = [0]
+        for p in pp_split:
+            m = re.fullmatch(re.escape(path) + r"\.(\d+)", p)
+            if not m or int(m.group(1)) >= n:
+                raise MeshError(f"pp_split entry {p!r}: expected a decoder layer path {path}.<i> with i < {n}")
+            starts.append(int(m.group(1)))
+        if len(starts) != num_stages or any(b <= a for a, b in zip(starts, starts[1:])):
+            raise MeshError(f"pp_split={pp_split}: needs {num_stages - 1} increasing layer paths (the first layer "
+                            f"of stages 1..{num_stages - 1}), each after {path}.0")
+    else:
+        starts = _balanced(costs, num_stages, tail)
+    layer_stage = []
+    for i in range(n):
+        layer_stage.append(max(k for k, st in enumerate(starts) if st <= i))
+    stage_cost = [sum(costs[i] for i in range(n) if layer_stage[i] == k) for k in range(num_stages)]
+    stage_cost[-1] += tail
+    owner: dict[str, int] = {}
+    where: dict[int, tuple[str, int]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        m = re.match(re.escape(path) + r"\.(\d+)\.", name)
+        if m:
+            st = layer_stage[int(m.group(1))]
+        else:
+            mod = name.rsplit(".", 1)[0] if "." in name else ""
+            st = 0 if mod_pos.get(mod, 0) < first else num_stages - 1
+        prev = where.setdefault(id(p), (name, st))
+        if prev[1] != st:
+            raise UnsupportedFeatureError(
+                f"parameters {prev[0]} and {name} are one tensor (tied weights) but belong to pipeline stages "
+                f"{prev[1]} and {st}; untie them (e.g. config.tie_word_embeddings=False) or use pp=1")
+        owner.setdefault(name, st)
+    return StageSplit(path, tuple(layer_stage), num_stages, owner, tuple(stage_cost))
+
+
+# -- the graph half ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StageGraph:
+    stage: int
+    gm: fx.GraphModule  # forward(*activations, *batch inputs in batch_names order)
+    activations_in: list[str]  # boundary value names (graph order)
+    activations_out: list[str]  # boundary s+1 names, or the graph output on the last stage
+    batch_names: list[str]  # batch inputs this stage reads, by keyword
+    params: list[str]  # parameters and buffers it reads
+
+
+def _layer_of(node: fx.Node, pattern: re.Pattern) -> int | None:
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        m = pattern.search(str(path))
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], batch: list[str | None],
+                root: nn.Module, keep: set[int] | None = None) -> dict[int, StageGraph]:
+    """One GraphModule per stage in ``keep`` (default all). ``names[i]``: parameter/buffer name of
+    placeholder i (None for batch inputs); ``batch[i]``: the keyword of batch input i. ``root`` owns
+    the parameters (get_attr targets are their names)."""
+    S = split.num_stages
+    pattern = re.compile(r"(?:^|[.'\]])" + re.escape(split.layers_path).replace(r"\.", r"(?:\.|'\]\.|\.modules\.)")
+                         + r"\.(\d+)(?:$|[.'\[])")
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    stage: dict[fx.Node, int | None] = {}
+    kind: dict[fx.Node, str] = {}  # "param" | "buffer" | "batch"
+    param_of: dict[fx.Node, str] = {}
+    for i, n in enumerate(placeholders):
+        if names[i] is not None:
+            param_of[n] = names[i]
+            if names[i] in split.owner:
+                kind[n], stage[n] = "param", split.owner[names[i]]
+            else:
+                kind[n], stage[n] = "buffer", None
+        else:
+            kind[n], stage[n] = "batch", None
+    output = next(n for n in nodes if n.op == "output")
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "get_attr":
+            raise IRError(f"split_stages: captured graph reads attribute {n.target} directly; expected lifted inputs")
+        ins = [stage[a] for a in n.all_input_nodes if stage[a] is not None]
+        s = max(ins) if ins else None
+        layer = _layer_of(n, pattern)
+        if layer is not None:
+            ls = split.layer_stage[layer]
+            if s is not None and s > ls:
+                src = max((a for a in n.all_input_nodes if stage[a] is not None), key=lambda a: stage[a])
+                raise IRError(f"split_stages: node {n.name} of {split.layers_path}.{layer} (stage {ls}) reads "
+                              f"{src.name} from the later stage {stage[src]}")
+            s = ls
+        stage[n] = s
+    for a in output.all_input_nodes:
+        if stage[a] is not None and stage[a] > S - 1:
+            raise IRError("split_stages: output from beyond the last stage")
+    # parameters used off their owner stage
+    for n, pname in param_of.items():
+        if kind[n] != "param":
+            continue
+        used = {stage[u] for u in n.users if u.op != "output"}
+        used.discard(None)
+        bad = used - {stage[n]}
+        if bad:
+            user = next(u for u in n.users if stage[u] in bad)
+            raise UnsupportedFeatureError(
+                f"parameter {pname} belongs to pipeline stage {stage[n]} but node {user.name} on stage "
+                f"{stage[user]} reads it (weights shared across stages, e.g. tied embeddings); untie them or use pp=1")
+    # free nodes that read a trained parameter cannot be recomputed elsewhere: give them its stage
+    users_stage: dict[fx.Node, set[int]] = {}
+    for n in reversed(nodes):
+        if n.op == "output":
+            continue
+        need: set[int] = set()
+        for u in n.users:
+            if u.op == "output":
+                need.add(S - 1)
+            elif stage[u] is not None:
+                need.add(stage[u])
+            else:
+                need |= users_stage.get(u, set())
+        users_stage[n] = need
+    out: dict[int, StageGraph] = {}
+    for s in range(S):
+        if keep is not None and s not in keep:
+            continue
+        out[s] = _build_stage(s, S, nodes, stage, kind, param_of, batch, placeholders, users_stage, output, root)
+    return out
+
+
+def _boundary(s: int, nodes: list[fx.Node], stage: dict, S: int) -> list[fx.Node]:
+    """Values made before stage s and read at or after it (graph order)."""
+    out = []
+    for n in nodes:
+        if n.op in ("placeholder", "output") or stage[n] is None or stage[n] >= s:
+            continue
+        if any((u.op == "output" and S - 1 >= s) or (u.op != "output" and stage[u] is not None and stage[u] >= s)
+               for u in n.users):
+            out.append(n)
+    return out
+
+
+def _build_stage(s, S, nodes, stage, kind, param_of, batch, placeholders, users_stage, output, root) -> StageGraph:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    acts_in = _boundary(s, nodes, stage, S) if s > 0 else []
+    for n in acts_in:
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            raise IRError(f"split_stages: value {n.name} crosses into stage {s} but is not a tensor "
+                          f"({type(n.meta.get('val')).__name__}); pipeline stages exchange tensors only")
+        p = g.placeholder(f"act_{n.name}")
+        p.meta.update(n.meta)
+        env[n] = p
+    batch_of = {n: batch[i] for i, n in enumerate(placeholders) if kind[n] == "batch"}
+
+    def here(n: fx.Node) -> bool:
+        if stage[n] == s:
+            return True
+        return stage[n] is None and s in users_stage.get(n, set())
+
+    needed = [n for n in nodes if n.op not in ("output",) and n not in env and here(n)]
+    batch_used = [n for n in needed if n.op == "placeholder" and kind[n] == "batch"]
+    for n in batch_used:
+        p = g.placeholder(batch_of[n])
+        p.meta.update(n.meta)
+        env[n] = p
+    params = []
+    for n in needed:
+        if n.op == "placeholder":
+            if kind[n] == "batch":
+                continue
+            a = g.get_attr(param_of[n])
+            a.meta.update(n.meta)
+            env[n] = a
+            params.append(param_of[n])
+            continue
+        env[n] = g.node_copy(n, lambda a: env[a])
+    if s == S - 1:
+        outs = fx.node.map_arg(output.args[0], lambda a: env[a])
+        acts_out = [a.name for a in output.all_input_nodes]
+    else:
+        nxt = _boundary(s + 1, nodes, stage, S)
+        outs = tuple(env[n] for n in nxt)
+        acts_out = [n.name for n in nxt]
+    g.output(outs)
+    gm = fx.GraphModule(root, g)
+    return StageGraph(s, gm, [n.name for n in acts_in], acts_out, [batch_of[n] for n in batch_used], params)

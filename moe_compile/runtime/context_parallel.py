@@ -1,0 +1,62 @@
+"""Context-parallel runtime: each rank of a CP group runs its shard of the batch's sequences.
+
+Glossary: C / CP, S. Every rank of one CP group passes the same full-sequence batch (token ids are
+small); the compiled program keeps only this rank's shard of every activation:
+
+    chunks   S split into 2·cp equal chunks; CP rank r takes chunks r and 2cp−1−r (causal attention
+             costs the same on every rank); S not divisible by 2·cp is an error
+    inputs   input_ids[:, I_r], position_ids = global positions I_r (the model's own rotary / position
+             code sees the real positions), no padding mask (absent or all ones)
+    labels   shifted over the whole sequence first (position i predicts token i+1; the last position
+             −100), then sharded: shift_labels = shifted[:, I_r], so no token is lost at chunk edges;
+             num_items_in_batch = the whole batch's count of loss tokens
+    loss     each rank's part = Σ its tokens' losses / num_items_in_batch; the CP group's sum (LossSum)
+             is the whole-sequence mean loss, identical on its ranks
+    logits   this rank's shard, positions I_r (``cm.cp_positions(S)``)
+
+Attention is made whole by the context_parallel_attention pass (K/V all-gathered, causal by global
+position). Gradients: each rank's are its tokens' part of the whole loss's; the dense reduction sums
+them over dp×cp and averages over dp (train/ddp.py scales by 1/dp; experts by cp/(ep_mp·ep_dp)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import OptionError
+
+
+def shard_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of CP rank ``rank``'s tokens: chunks r and 2cp−1−r of 2·cp."""
+    if seq % (2 * cp):
+        raise OptionError(f"context parallelism cp={cp}: sequence length {seq} is not divisible by 2·cp = {2 * cp} "
+                          "(each rank takes two of 2·cp equal chunks); pad the sequences to a multiple")
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+def shard_batch(kwargs: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
+    """The model kwargs of this CP rank's shard (see the module docstring)."""
+    ids = kwargs.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise OptionError("context parallelism needs input_ids of shape [batch, sequence]")
+    if "inputs_embeds" in kwargs:
+        raise OptionError("context parallelism shards input_ids; inputs_embeds is not supported")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool((mask != 0).all()):
+        raise OptionError("context parallelism: attention_mask with padding is not supported (the sharded "
+                          "attention is causal over the whole sequence); pass full sequences without a mask")
+    b, s = ids.shape
+    idx = shard_positions(s, cp, rank).to(ids.device)
+    out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels", "position_ids")}
+    out["input_ids"] = ids[:, idx]
+    given = kwargs.get("position_ids")
+    out["position_ids"] = (given[:, idx] if given is not None else idx.unsqueeze(0).expand(b, -1)).contiguous()
+    labels = kwargs.get("labels")
+    if labels is not None:
+        shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
+        out["labels"] = out["shift_labels"] = shifted[:, idx].contiguous()
+        out["num_items_in_batch"] = (shifted != -100).sum()
+    return out

@@ -1,0 +1,152 @@
+"""Dropless receive capacity that follows the load: headroom, overflow watch, geometric growth.
+
+Terms: R = T·K routed rows per rank, ep = EP-MP group size, f = receive factor (capacity rows
+C = ⌈min(ep, f)·R⌉), h = headroom (the first f), ρ = load imbalance = the most rows any rank of the
+group receives / R (ρ = 1 uniform; ρ = ep: every row to one rank).
+
+    compile          C = ⌈min(ep, f)·R⌉ rows per receive buffer            (f starts at h)
+    every dispatch   need = max_dst Σ_src,e requested[src, dst, e]         (a tensor; same on every rank:
+                     overflow |= need > C;  high_water = max(high_water, need)   the counts are all-gathered)
+    end of forward   if overflow (one host read per forward, on every rank alike):
+                         f ← min(ep, h·2^⌈log2(ρ/h)⌉) (the smallest doubling of h that holds ρ), recorded;
+                         recompile for the new C and run the same forward again (inputs and RNG restored)
+
+An attempt that overflowed dropped tail rows, so its outputs are discarded, never returned: a returned
+forward never dropped a token. Growth is geometric, at most ⌈log2(ep/h)⌉ recompiles over a run, each
+one recorded in :attr:`DroplessState.growths` (and warned about); the capacity never shrinks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+DROPLESS_HEADROOM = Fraction(3, 2)  # h: first receive factor (module default until CompileOptions has a field)
+
+
+def dropless_rows(rows: int, ep: int, factor: Fraction) -> int:
+    """Receive rows ⌈min(ep, f)·rows⌉ (ep = 1: exactly rows — the local group's buffer is its input)."""
+    return math.ceil(min(Fraction(ep), Fraction(factor)) * rows)
+
+
+def grown_factor(headroom: Fraction, factor: Fraction, need: int, rows: int, ep: int) -> Fraction:
+    """After an overflow at factor f: the smallest f·2^k (k ≥ 1) with f·2^k·rows ≥ need, capped at ep (where
+    nothing can overflow). From f = h that is h·2^⌈log2(ρ/h)⌉, as :func:`factor_for_imbalance` predicts."""
+    target = Fraction(need, max(rows, 1))
+    f = Fraction(factor) * 2
+    while f < target:
+        f *= 2
+    return min(Fraction(ep), f)
+
+
+def factor_for_imbalance(headroom: Fraction, rho: float, ep: int) -> Fraction:
+    """The receive factor the growth rule settles on for a load of imbalance ρ: h·2^⌈log2(ρ/h)⌉, ≥ h, ≤ ep."""
+    f = Fraction(headroom)
+    while f < Fraction(rho).limit_denominator(10**6):
+        f *= 2
+    return min(Fraction(ep), f)
+
+
+@dataclass(frozen=True)
+class Growth:
+    forward: int  # how many forwards had run when the capacity grew
+    need_rows: int  # the most rows one rank would have received
+    rows: int  # R = T·K of the block that overflowed first
+    factor_before: Fraction
+    factor_after: Fraction
+
+
+@dataclass
+class DroplessState:
+    """One compiled program's dropless capacity (per runtime context; identical on every EP-MP rank)."""
+
+    ep: int
+    headroom: Fraction = DROPLESS_HEADROOM
+    factor: Fraction = DROPLESS_HEADROOM
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # block → (R rows, C capacity) compiled
+    overflow: torch.Tensor | None = None  # [] bool: this forward, some rank would receive more than C
+    need: torch.Tensor | None = None  # [] int64: most rows one rank would receive, this forward
+    high_water: int = 0  # most rows one rank received, over every settled forward (host int)
+    forwards: int = 0
+    growths: list[Growth] = field(default_factory=list)
+
+    def capacity(self, block: str, rows: int) -> int:
+        cap = dropless_rows(rows, self.ep, self.factor)
+        self.blocks[block] = (rows, cap)
+        return cap
+
+    def observe(self, requested: torch.Tensor, capacity: int) -> None:
+        """Tensor ops only (no host sync): fold one dispatch's all-gathered counts into the watch."""
+        need = requested.sum(dim=(0, 2)).max()  # [ep, ep, L] → rows each destination would receive → max
+        over = need > capacity
+        self.need = need if self.need is None else torch.maximum(self.need, need)
+        self.overflow = over if self.overflow is None else self.overflow | over
+
+    def settle(self) -> bool:
+        """End of a forward: True when it overflowed (the caller recompiles and reruns it). The one host
+        read of the dropless path: a bool and an int per forward, not per layer."""
+        over, need = self.overflow, self.need
+        self.overflow = self.need = None
+        self.forwards += 1
+        if over is None or over.device.type == "meta":  # explain traces on meta tensors: nothing observed
+            return False
+        need_rows = int(need)  # host read (necessary: a recompile is a host decision), once per forward
+        self.high_water = max(self.high_water, need_rows)
+        if not bool(over):
+            return False
+        rows = max(r for r, _ in self.blocks.values()) if self.blocks else 1
+        before = self.factor
+        self.factor = grown_factor(self.headroom, before, need_rows, rows, self.ep)
+        self.growths.append(Growth(self.forwards, need_rows, rows, before, self.factor))
+        warnings.warn(f"dropless: a rank would receive {need_rows} rows > capacity; receive factor grows "
+                      f"{before} → {self.factor} (×T·K rows), recompiling and rerunning this forward",
+                      stacklevel=2)
+        return True
+
+
+_STATES: dict[int, DroplessState] = {}
+
+
+def dropless_state(ctx_id: int, ep: int) -> DroplessState:
+    """The dropless state of runtime context ``ctx_id`` (created on first use)."""
+    s = _STATES.get(ctx_id)
+    if s is None or s.ep != ep:
+        s = _STATES[ctx_id] = DroplessState(ep)
+    return s
+
+
+def find_dropless_state(ctx_id: int) -> DroplessState | None:
+    return _STATES.get(ctx_id)
+
+
+class DroplessEntry:
+    """The callable the backend returns for a program with dropless dispatches on an EP-MP group > 1:
+    runs the compiled forward, settles the overflow watch, and on overflow recompiles (``build``) and
+    reruns with the same inputs and RNG state. Cross-group consistency: every rank of the group reads the
+    same all-gathered counts, so all of them rerun (and recompile) together."""
+
+    MAX_ATTEMPTS = 64  # far above ⌈log2(ep/h)⌉ + 1; reaching it is a bug, not a load
+
+    def __init__(self, state: DroplessState, build) -> None:
+        self.state = state
+        self.build = build
+        self.fn = build()
+
+    def __call__(self, *args):
+        rng = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        for _ in range(self.MAX_ATTEMPTS):
+            self.state.overflow = self.state.need = None
+            out = self.fn(*args)
+            if not self.state.settle():
+                return out
+            del out  # dropped rows: never returned (its autograd graph and leases end here)
+            torch.set_rng_state(rng)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda)
+            self.fn = self.build()
+        raise RuntimeError(f"dropless: still overflowing after {self.MAX_ATTEMPTS} capacity growths")

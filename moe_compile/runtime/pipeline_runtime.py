@@ -1,0 +1,388 @@
+"""Pipeline runtime: compiled stage programs driven by torch.distributed.pipelining's schedules.
+
+Glossary: P / PP, B / m, lease, high-water. One CompiledMoE on a pp > 1 mesh holds this rank's
+stages (v of the S = pp·v stages; rank r of the pipeline holds stages r, r + pp, …):
+
+    first train_step (the batch fixes the shapes)
+        capture   the whole model's loss as one graph (recorded, not run)
+        split     split_stages → one GraphModule per local stage
+        compile   each through MoEBackend with its own Program: its MoE blocks, pipeline_stage s,
+                  forwards_in_flight = H_s of the schedule's action order (plan_leases then proves
+                  the lease plan safe over that order before the stage's first run)
+        stages    torch PipelineStage over each compiled stage (static boundary shapes), and the
+                  schedule class (ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B)
+    every train_step
+        w_j       = valid label tokens of microbatch j / of the batch (HF's shifted labels, −100 ignored)
+        schedule.step(**batch, target=w, losses)  with loss_fn(loss_j, w_j) = w_j · loss_j and no
+                  extra scaling: gradients of Σ_j w_j·loss_j, the batch-mean token loss
+        reduce    gradients once per step (dense over dp×cp, experts over ep_dp, per stage)
+        loss      Σ_j w_j·loss_j on the last stage, broadcast over the pipeline group
+
+Every stage reads the batch inputs it needs (labels on the last stage, position ids and masks
+anywhere) from the batch that every rank of one pipeline passes; only boundary activations travel.
+Per-microbatch statistics (router load-balancing loss, expert counts) are per microbatch, as in
+any gradient-accumulation loop: the load-balancing loss is nonlinear in the counts, so it is the
+microbatch's own, weighted like its token loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..capture import RECOMPILE_LIMIT, fresh
+from ..errors import OptionError, RuntimeFault
+
+
+class _Recorded(Exception):
+    """Raised by the recording backend: the captured graph is kept, nothing runs."""
+
+
+def _entry(model: nn.Module, outputs: tuple[str, ...]):
+    """A fresh function (own code object, as api._capture_entry) returning ``outputs`` of the model."""
+
+    def moe_stage_capture(**kwargs):
+        out = model(**kwargs)
+        return tuple(getattr(out, k) for k in outputs)
+
+    return fresh(moe_stage_capture)
+
+
+def capture(model: nn.Module, kwargs: dict[str, Any], outputs: tuple[str, ...]):
+    """The model's dynamo graph for one microbatch, with each placeholder's parameter/buffer name (or
+    None) and batch keyword (or None)."""
+    rec: dict[str, Any] = {}
+
+    def recorder(gm, example_inputs):
+        rec["gm"], rec["inputs"] = gm, list(example_inputs)
+        raise _Recorded
+
+    fn = torch.compile(_entry(model, outputs), backend=recorder, fullgraph=True, dynamic=False)
+    try:
+        fn(**kwargs)
+    except Exception as e:  # dynamo wraps the backend's exception
+        if "gm" not in rec or not _caused_by(e, _Recorded):
+            raise
+    from ..passes.base import normalize_capture
+
+    normalize_capture(rec["gm"])
+    by_id = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
+    by_id.update({id(t): n for n, t in model.named_buffers()})
+    batch_ids = {id(v): k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    names = [by_id.get(id(t)) for t in rec["inputs"]]
+    batch = [batch_ids.get(id(t)) if by_id.get(id(t)) is None else None for t in rec["inputs"]]
+    for i, (n, b) in enumerate(zip(names, batch)):
+        if n is None and b is None:
+            raise RuntimeFault(f"pipeline capture: graph input {i} is neither a parameter, a buffer nor a batch input")
+    return rec["gm"], names, batch
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    while e is not None:
+        if isinstance(e, kind):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _stage_entry(gm):
+    """What torch.compile captures for one stage: ``gm.forward`` itself (calling the GraphModule would
+    run fx's call wrapper, whose error formatting a runtime guard's exception would pass through)."""
+
+    def moe_stage(*args):
+        return gm.forward(*args)
+
+    return fresh(moe_stage)
+
+
+class StageModule(nn.Module):
+    """One compiled pipeline stage: forward(*boundary activations, **batch) → next boundary | loss."""
+
+    def __init__(self, graph, compiled) -> None:
+        super().__init__()
+        self.graph_module = graph.gm  # holds the stage's parameters (the model's own tensors)
+        self.batch_names = graph.batch_names
+        self._compiled = compiled
+        self.stage = graph.stage
+
+    def forward(self, *acts: torch.Tensor, **batch: Any) -> Any:
+        missing = [k for k in self.batch_names if k not in batch]
+        if missing:
+            raise OptionError(f"pipeline stage {self.stage} needs batch input(s) {missing} (every rank of a "
+                              "pipeline passes the same batch)")
+        out = self._compiled(*acts, *[batch[k] for k in self.batch_names])
+        return out
+
+
+def _empty_like_val(v: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(tuple(int(s) for s in v.shape), dtype=v.dtype, device=device)
+
+
+def microbatch_weights(labels: torch.Tensor | None, m: int, batch: int) -> torch.Tensor:
+    """w_j: the share of the batch's loss tokens in microbatch j (shifted labels, −100 ignored)."""
+    if labels is None:
+        return torch.full((m,), 1.0 / m)
+    valid = (labels[..., 1:] != -100).reshape(m, -1).sum(1).double()
+    total = valid.sum()
+    if total == 0:
+        return torch.full((m,), 1.0 / m)
+    return (valid / total).float()
+
+
+def split_batch_check(kwargs: dict[str, Any], m: int) -> int:
+    sizes = {k: v.shape[0] for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if not sizes:
+        raise OptionError("train_step needs tensor batch inputs (input_ids=..., labels=...)")
+    b = next(iter(sizes.values()))
+    if any(s != b for s in sizes.values()):
+        raise OptionError(f"train_step: batch inputs disagree on the batch size: {sizes}")
+    if b % m:
+        raise OptionError(f"train_step: a batch of {b} sequences does not split into microbatches={m} equal "
+                          "microbatches (torch.distributed.pipelining's uneven split is broken); use a batch "
+                          f"divisible by {m}")
+    return b
+
+
+@dataclass
+class LocalStage:
+    index: int
+    program: Any  # Program of this stage
+    graph: Any  # StageGraph
+    module: StageModule
+    pipe: Any = None  # torch PipelineStage
+
+
+class PipelineRuntime:
+    def __init__(self, cm, split, schedule) -> None:
+        self.cm = cm
+        self.split = split
+        self.schedule = schedule  # ScheduleOrder
+        spec = cm.program.mesh
+        self.pp = spec.pp
+        self.pp_rank = spec.dense_coords(cm.groups.rank)[0]
+        self.local = [self.pp_rank + k * self.pp for k in range(schedule.stages_per_rank)]
+        self.stages: list[LocalStage] = []
+        self._torch_schedule = None
+        self._shape: tuple | None = None
+        self._programs: list = []  # Program per local stage
+        self._eval: dict = {}  # (outputs, batch shapes) → ({stage: (module, graph)}, fake values)
+
+    # -- build -------------------------------------------------------------------------------------
+    def _build(self, mb: dict[str, Any]) -> None:
+        from ..backend import MoEBackend
+        from ..passes.split_stages import split_graph
+        from ..schedules import SCHEDULES
+
+        cm, prog = self.cm, self.cm.program
+        gm, names, batch = capture(cm.model, mb, ("loss",))
+        graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
+        device = next(cm.model.parameters()).device
+        from torch.distributed.pipelining import PipelineStage
+
+        fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        for sprog in self._stage_programs():
+            s = sprog.pipeline_stage
+            g = graphs[s]
+            compiled = torch.compile(_stage_entry(g.gm), backend=MoEBackend(sprog), fullgraph=prog.options.fullgraph,
+                                     dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+            module = StageModule(g, compiled)
+            ins = tuple(_empty_like_val(fake[n], device) for n in g.activations_in)
+            outs = tuple(_empty_like_val(fake[n], device) for n in g.activations_out)
+            pipe = PipelineStage(module, s, self.split.num_stages, device, input_args=ins or None,
+                                 output_args=outs, group=cm.groups.pp)
+            pipe._user_meta_inputs = ins  # the boundary shapes, for compiling ahead of the schedule
+            self.stages.append(LocalStage(s, sprog, g, module, pipe))
+        self._compile_stages(mb)
+        cls = SCHEDULES[self.schedule.name]
+        pipes = [st.pipe for st in self.stages]
+        kw = dict(n_microbatches=self.schedule.microbatches, loss_fn=_weighted_loss, scale_grads=False)
+        self._torch_schedule = cls(pipes if self.schedule.name == "interleaved_1f1b" else pipes[0], **kw)
+
+    def _compile_stages(self, mb: dict[str, Any]) -> None:
+        """Compile every local stage before the schedule starts — one forward on zero activations
+        (the boundary shapes; float ones requiring grad, as received ones do), output dropped — so a
+        rejected lease plan or a capture failure stops every rank at once, before any slot is written
+        under the schedule, instead of leaving the other stages blocked in a receive."""
+        err: BaseException | None = None
+        try:
+            for st in self.stages:
+                acts = [torch.zeros_like(t).requires_grad_(t.is_floating_point())
+                        for t in st.pipe._user_meta_inputs] if st.pipe is not None else []
+                st.module(*acts, **mb)
+        except Exception as e:  # reported on every rank below
+            err = e
+        flag = torch.tensor([0 if err is None else 1 + self.cm.groups.rank], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if err is not None:
+            raise err
+        self.cm.reset_stats()  # the warm-up's expert counts are not a step's
+        if int(flag):
+            raise RuntimeFault(f"compiling the pipeline stages failed on rank {int(flag) - 1} (its error is raised "
+                               "there); no rank started the schedule")
+
+    # -- run ---------------------------------------------------------------------------------------
+    def train_step(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        m = self.schedule.microbatches
+        b = split_batch_check(kwargs, m)
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        shape = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items()))
+        if self._torch_schedule is None:
+            self._build({k: (v[: b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                         for k, v in kwargs.items()})
+            self._shape = shape
+        elif shape != self._shape:
+            raise OptionError(f"train_step: batch shapes {shape} differ from the first step's {self._shape}; a "
+                              "pipeline is compiled for one microbatch shape")
+        w = microbatch_weights(kwargs.get("labels"), m, b)
+        losses: list[torch.Tensor] = []
+        cm = self.cm
+        ctx = cm.ddp.no_sync() if cm.ddp is not None else _null()
+        with ctx:
+            self._torch_schedule.step(**kwargs, target=w, losses=losses, return_outputs=False)
+        if cm.ddp is not None:
+            cm.ddp.sync_now()
+        last_rank = (self.split.num_stages - 1) % self.pp
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        loss = loss.to(next(cm.model.parameters()).device)
+        dist.broadcast(loss, group=cm.groups.pp, group_src=last_rank)
+        return loss
+
+
+    # -- planning (explain) -------------------------------------------------------------------------
+    def plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:
+        """Compile *every* stage of the pipeline on this rank and run one forward and backward of each
+        on zero activations (meta tensors in explain), so that each stage's graphs and lease plan
+        exist for the ledger. Stage → its Program. Nothing is sent between ranks."""
+        from ..backend import MoEBackend
+        from ..passes.split_stages import split_graph
+
+        cm = self.cm
+        gm, names, batch = capture(cm.model, mb, ("loss",))
+        graphs = split_graph(gm, self.split, names, batch, cm.model)
+        fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        device = next(cm.model.parameters()).device
+        out = {}
+        for s in range(self.split.num_stages):
+            prog = self._program_for(s)
+            g = graphs[s]
+            compiled = torch.compile(_stage_entry(g.gm), backend=MoEBackend(prog), fullgraph=True, dynamic=False,
+                                     recompile_limit=RECOMPILE_LIMIT)
+            acts = [_empty_like_val(fake[n], device).zero_().requires_grad_(fake[n].is_floating_point())
+                    for n in g.activations_in]
+            res = StageModule(g, compiled)(*acts, **mb)
+            res = [t for t in (res if isinstance(res, tuple | list) else (res,)) if t.requires_grad]
+            torch.autograd.backward(res, [torch.ones_like(t) for t in res])
+            out[s] = prog
+        return out
+
+    def _program_for(self, s: int):
+        import dataclasses as dc
+
+        prog = self.cm.program
+        layers = set(self.split.layers_of(s))
+        blocks = {p: b for p, b in prog.blocks.items() if _layer_index(p, self.split.layers_path) in layers}
+        return dc.replace(prog, blocks=blocks, graphs={}, records=[], lease_plans={}, kernel_plans={}, compiles=0,
+                          options=dc.replace(prog.options, forwards_in_flight=self.schedule.in_flight.get(s, 1)),
+                          pipeline_stage=s, schedule=self.schedule)
+
+    # -- forward-only evaluation -------------------------------------------------------------------
+    def forward(self, args: tuple, kwargs: dict[str, Any]) -> PipelineOutput:
+        """Forward-only evaluation of the whole batch (under torch.no_grad()): the stages run in turn,
+        boundary activations travel point-to-point, and the last stage's logits (and loss, given
+        labels) are broadcast to every rank of the pipeline."""
+        if args:
+            raise OptionError("a pipelined CompiledMoE takes its batch by keyword (input_ids=..., labels=...)")
+        if torch.is_grad_enabled():
+            raise OptionError("a pipelined CompiledMoE (pp > 1) trains through cm.train_step(input_ids=..., "
+                              "labels=...); calling it directly is forward-only evaluation: use torch.no_grad()")
+        outputs = ("logits", "loss") if kwargs.get("labels") is not None else ("logits",)
+        key = (outputs, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in kwargs.items()
+                                     if isinstance(v, torch.Tensor))))
+        if key not in self._eval:
+            self._eval[key] = self._build_eval(kwargs, outputs)
+        stages, fake = self._eval[key]
+        cm, S, pp = self.cm, self.split.num_stages, self.pp
+        device = next(cm.model.parameters()).device
+        result: tuple = ()
+        for k in range(S):
+            if k not in stages:
+                continue
+            module, graph = stages[k]
+            acts = []
+            for name in graph.activations_in:
+                t = _empty_like_val(fake[name], device)
+                dist.recv(t, group=cm.groups.pp, group_src=(k - 1) % pp)
+                acts.append(t)
+            out = module(*acts, **kwargs)
+            out = out if isinstance(out, tuple | list) else (out,)
+            if k < S - 1:
+                for t in out:
+                    dist.send(t.contiguous(), group=cm.groups.pp, group_dst=(k + 1) % pp)
+            else:
+                result = tuple(out)
+        last = (S - 1) % pp
+        final = stages[S - 1][1] if S - 1 in stages else None
+        names = final.activations_out if final is not None else None
+        shapes = [None]
+        if self.pp_rank == last:
+            shapes = [names]
+        dist.broadcast_object_list(shapes, group=cm.groups.pp, group_src=last)
+        vals = []
+        for i, name in enumerate(shapes[0]):
+            t = result[i].contiguous() if self.pp_rank == last else _empty_like_val(fake[name], device)
+            dist.broadcast(t, group=cm.groups.pp, group_src=last)
+            vals.append(t)
+        return PipelineOutput(**dict(zip(outputs, vals)))
+
+    def _build_eval(self, kwargs: dict[str, Any], outputs: tuple[str, ...]):
+        from ..backend import MoEBackend
+        from ..passes.split_stages import split_graph
+
+        cm = self.cm
+        with torch.no_grad():
+            gm, names, batch = capture(cm.model, kwargs, outputs)
+        graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
+        fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        stages = {}
+        for st in self._stage_programs():
+            g = graphs[st.pipeline_stage]
+            compiled = torch.compile(_stage_entry(g.gm), backend=MoEBackend(st), fullgraph=cm.program.options.fullgraph,
+                                     dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+            stages[st.pipeline_stage] = (StageModule(g, compiled), g)
+        return stages, fake
+
+    def _stage_programs(self) -> list:
+        if not self._programs:
+            self._programs = [self._program_for(s) for s in self.local]
+        return self._programs
+
+
+@dataclass
+class PipelineOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+def _weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    loss = output[0] if isinstance(output, tuple | list) else output
+    return loss * target.reshape(()).to(loss.dtype)
+
+
+def _layer_index(path: str, layers_path: str) -> int | None:
+    prefix = layers_path + "."
+    if not path.startswith(prefix):
+        return None
+    head = path[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

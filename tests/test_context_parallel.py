@@ -1,0 +1,168 @@
+"""Context parallelism: each CP rank runs its shard of the sequence, folded into the expert pool.
+
+Reference: a plain copy of the dense model on the whole sequences (every data-parallel replica's
+batch), gradient of the mean of the replicas' losses. Every rank of a CP group passes the same
+batch; its loss must be the whole-sequence loss, and the reduced gradients the dense ones (fp32, 1e-5
+of each tensor's scale).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import OptionError, UnsupportedFeatureError
+from moe_compile.runtime.context_parallel import shard_positions
+
+from .common import build_model, grads_of, make_batches, rel_err, skew_to_first_experts
+from .harness import run_ranks
+
+TOL = 1e-5
+
+
+def _model(name: str):
+    if name == "tiny":
+        return build_model("tiny", lb_coef=0.0, z_coef=0.0)
+    if name == "qwen3_moe":
+        from moe_compile.models.hf import tiny_family_model
+
+        torch.manual_seed(0)
+        return tiny_family_model("qwen3_moe", seed=0)
+    return build_model(name)
+
+
+def cp_worker(rank: int, world: int, names: tuple[str, ...], mesh: str, seq: int, skewed: bool = False) -> dict:
+    spec = MeshSpec.parse(mesh).resolve(world)
+    out = {}
+    for name in names:
+        model = _model(name)
+        if skewed:  # every token to the first EP rank's experts
+            from moe_compile.frontend.recognize import find_candidates
+
+            skew_to_first_experts(model, find_candidates(model)[0].experts.num_experts // spec.ep_mp)
+        vocab = model.config.vocab_size if hasattr(model, "config") else 256
+        batches = [b % vocab for b in make_batches(spec.dp, 2, seq, seed=11)]
+        ref = copy.deepcopy(model)
+        ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+        torch.stack(ref_losses).mean().backward()
+        ref_grads = grads_of(ref)
+        cm = moe_compile(model, spec)
+        dp = spec.dense_coords(rank)[1]
+        b = batches[dp]
+        res = cm(input_ids=b, labels=b)
+        res.loss.backward()
+        grads = cm.full_grads()
+        worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
+        counts = cm.expert_counts()
+        out[name] = {"loss": res.loss.item(), "ref": ref_losses[dp].item(), "err": rel_err(grads[worst], ref_grads[worst]),
+                     "worst": worst, "names": set(grads) == set(ref_grads), "logits": tuple(res.logits.shape),
+                     "empty": sum(int((c["requested"] == 0).sum()) for c in counts.values())}
+        cm.close()
+    return out
+
+
+def check(results, seq: int, cp: int) -> None:
+    for rank, per in enumerate(results):
+        for name, r in per.items():
+            assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), (rank, name, r)
+            assert r["names"] and r["err"] <= TOL, (rank, name, r)
+            assert r["logits"][1] == seq // cp, r  # each rank keeps its shard
+
+
+def test_cp2_ep2_four_ranks():
+    """cp=2 × ep_mp=2: the tiny LM, OLMoE, Mixtral and Qwen3-MoE on 32-token sequences."""
+    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe"), "cp=2,ep_mp=2", 32), 32, 2)
+
+
+def test_cp2_skewed_routing():
+    """Every token of every shard routes to the first EP rank's experts (the other rank's idle)."""
+    results = run_ranks(cp_worker, 4, ("tiny", "olmoe"), "cp=2,ep_mp=2", 16, True)
+    check(results, 16, 2)
+    assert all(r["empty"] > 0 for per in results for r in per.values())
+
+
+@pytest.mark.slow
+def test_cp2_two_ranks():
+    check(run_ranks(cp_worker, 2, ("tiny", "olmoe", "mixtral"), "cp=2", 16), 16, 2)
+
+
+@pytest.mark.slow
+def test_cp4_ep2_eight_ranks():
+    check(run_ranks(cp_worker, 8, ("tiny", "olmoe"), "cp=4,ep_mp=2", 32), 32, 4)
+
+
+def test_shard_positions_are_load_balanced_chunks():
+    """S=16, cp=2: four chunks of 4; rank 0 takes chunks 0 and 3, rank 1 chunks 1 and 2."""
+    assert shard_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert shard_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    together = torch.cat([shard_positions(24, 3, r) for r in range(3)])
+    assert sorted(together.tolist()) == list(range(24))
+    with pytest.raises(OptionError, match="sequence length 10 is not divisible by 2·cp = 4"):
+        shard_positions(10, 2, 0)
+
+
+def bad_cp_worker(rank: int, world: int) -> list[str]:
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    msgs = []
+    try:
+        moe_compile(build_model("tiny"), spec)  # its blocks compute lb / z losses
+    except UnsupportedFeatureError as e:
+        msgs.append(str(e))
+    try:
+        moe_compile(build_model("olmoe_aux"), spec)
+    except UnsupportedFeatureError as e:
+        msgs.append(str(e))
+    cm = moe_compile(_model("tiny"), spec)
+    b = make_batches(1, 2, 10)[0]
+    for kw in ({"input_ids": b, "labels": b},
+               {"input_ids": b[:, :8], "labels": b[:, :8], "attention_mask": torch.tensor([[1] * 7 + [0]] * 2)}):
+        try:
+            cm(**kw)
+        except OptionError as e:
+            msgs.append(str(e))
+    cm.close()
+    return msgs
+
+
+def test_context_parallel_bad_input_is_a_clear_error():
+    for msgs in run_ranks(bad_cp_worker, 2):
+        assert len(msgs) == 4, msgs
+        assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
+        assert "output_router_logits=True" in msgs[1]
+        assert "sequence length 10 is not divisible by 2·cp = 4" in msgs[2]
+        assert "attention_mask with padding" in msgs[3]
+
+
+def _train(tmp, ranks: int, mesh: str, steps: int, metrics: str, *extra: str) -> str:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "moe_compile.cli", "train", "--hf", "olmoe", "--ranks", str(ranks), "--mesh", mesh,
+           "--steps", str(steps), "--seq-len", "16", "--no-progress", "--metrics-jsonl", str(tmp / metrics), *extra]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_train_cp2_then_resume_on_cp1(tmp_path):
+    """OLMoE trained 2 steps on cp=2 × ep_mp=2 (optimizer, clipping), resumed on one rank: every step's
+    loss and gradient norm follow the one-rank run (same data: a CP group shares its replica's batch)."""
+    import json
+
+    _train(tmp_path, 1, "dp=1", 4, "ref.jsonl")
+    _train(tmp_path, 2, "cp=2,ep_mp=2", 2, "run.jsonl", "--ckpt", str(tmp_path / "ck"))
+    out = _train(tmp_path, 1, "dp=1", 4, "run.jsonl", "--ckpt", str(tmp_path / "ck"), "--resume")
+    assert "resumed from" in out, out
+
+    def rows(p):
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, p.read_text().splitlines())]
+
+    got, want = rows(tmp_path / "run.jsonl"), rows(tmp_path / "ref.jsonl")
+    assert [s for s, _, _ in got] == [1, 2, 3, 4]
+    for (s, loss, norm), (_, rl, rn) in zip(got, want):
+        assert abs(loss - rl) <= 1e-5 * abs(rl) and abs(norm - rn) <= 1e-4 * abs(rn), (s, loss, rl, norm, rn)
