@@ -73,6 +73,9 @@ class DroplessState:
     high_water: int = 0  # most rows one rank received, over every settled forward (host int)
     forwards: int = 0
     growths: list[Growth] = field(default_factory=list)
+    # Ranks beyond the EP-MP group whose forwards are collective with this one (the CP group's K/V
+    # all-gathers span EP-MP groups): they must rerun together, so the watch is agreed over this group
+    sync_group: object = None
 
     def capacity(self, block: str, rows: int) -> int:
         cap = dropless_rows(rows, self.ep, self.factor)
@@ -94,6 +97,12 @@ class DroplessState:
         self.forwards += 1
         if over is None or over.device.type == "meta":  # explain traces on meta tensors: nothing observed
             return False
+        if self.sync_group is not None:  # one rerun decision for every rank the forward talks to
+            import torch.distributed as dist
+
+            both = torch.stack([over.to(need.dtype), need])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.sync_group)
+            over, need = both[0] > 0, both[1]
         need_rows = int(need)  # host read (necessary: a recompile is a host decision), once per forward
         self.high_water = max(self.high_water, need_rows)
         if not bool(over):
