@@ -93,6 +93,12 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
     if timeline is not None:
         files["timeline"] = out / "timeline.svg"
         files["timeline"].write_text(timeline)
+    if pipeline is not None and getattr(cm, "pipeline", None) is not None:  # the lease walk over the schedule
+        from .viz.schedule import schedule_svg
+
+        files["schedule"] = out / "schedule.svg"
+        files["schedule"].write_text(schedule_svg(cm.pipeline.schedule, f"{name} lease instances"))
+        pictures.append(Picture("pipeline schedule: lease instance of every forward and backward", files["schedule"]))
 
     blocks = "<table><tr><th>MoE block</th><th>what the front end understood</th><th>probed</th></tr>" + "".join(
         f"<tr><td>{html.escape(b.path)}</td><td>{html.escape(b.describe())}</td>"

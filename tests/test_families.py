@@ -59,12 +59,6 @@ def check_outcome(r: FamilyResult) -> None:
         assert r.message.split(":", 1)[0] in ("RecognitionError", "UnsupportedFeatureError", "MeshError"), r.message
 
 
-def _param(f: str):
-    if f in NOT_CHECKABLE:
-        return pytest.param(f, marks=pytest.mark.xfail(reason=NOT_CHECKABLE[f], strict=True))
-    return f
-
-
 @pytest.fixture(scope="module")
 def one_rank() -> dict[str, FamilyResult]:
     return {r.family: r for r in run_ranks(sweep_worker, 1, FAMILIES, "ep_mp=1", timeout=900)[0]}
@@ -77,14 +71,46 @@ def test_families_are_found():
     assert len(FAMILIES) >= 50
 
 
-@pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
-def test_one_rank(family, one_rank):
-    check_outcome(one_rank[family])
+def test_one_rank_every_family(one_rank):
+    """One sweep (one process, so a parallel test run does not repeat it per worker) over every family:
+    parity or a clear error; the families that cannot be checked still crash (strict: one that starts
+    working must leave NOT_CHECKABLE)."""
+    bad = []
+    for family in FAMILIES:
+        r = one_rank[family]
+        if family in NOT_CHECKABLE:
+            if r.status in ("compiled", "error"):
+                bad.append(f"{family}: now {r.status}; remove it from NOT_CHECKABLE ({NOT_CHECKABLE[family]})")
+            continue
+        try:
+            check_outcome(r)
+        except AssertionError as e:
+            bad.append(str(e))
+    assert not bad, "\n".join(bad)
+
+
+# ep_mp=2 on every family takes ~8 minutes on 2 cores: CI checks the core families and a subset that
+# rotates by the day (every family within a week); MOE_COMPILE_ALL_FAMILIES=1 checks all of them.
+CORE = ("olmoe", "mixtral", "qwen3_moe", "deepseek_v3")
+ROTATING = 8
+
+
+def ep_mp_2_families() -> list[str]:
+    import datetime
+    import os
+
+    checkable = [f for f in FAMILIES if f not in NOT_CHECKABLE]
+    if os.environ.get("MOE_COMPILE_ALL_FAMILIES"):
+        return checkable
+    day = datetime.date.today().toordinal()
+    rest = [f for f in checkable if f not in CORE]
+    picked = {rest[(day * ROTATING + i) % len(rest)] for i in range(min(ROTATING, len(rest)))}
+    return [f for f in checkable if f in CORE or f in picked]
 
 
 @pytest.mark.slow
 def test_ep_mp_2():
-    results = run_ranks(sweep_worker, 2, [f for f in FAMILIES if f not in NOT_CHECKABLE], "ep_mp=2", timeout=1800)
+    results = run_ranks(sweep_worker, 2, ep_mp_2_families(), "ep_mp=2", timeout=1800)
     bad = []
     for per_rank in results:
         for r in per_rank:

@@ -336,3 +336,22 @@ def test_explain_reports_each_stage_under_the_schedule(tmp_path):
     for s in (0, 1):
         assert f"pipeline stage {s} (pp=2)" in (tmp_path / f"stage{s}_partitioned.dot").read_text()
     assert "Pipeline stages" in (tmp_path / "report.html").read_text()
+    import re
+
+    svg = (tmp_path / "schedule.svg").read_text()  # the lease walk over the schedule, drawn
+    used: dict[int, set[int]] = {}
+    for stage, inst in re.findall(r'data-kind="F" data-stage="(\d+)" data-microbatch="\d+" data-instance="(\d+)"', svg):
+        used.setdefault(int(stage), set()).add(int(inst))
+    assert {s: len(v) for s, v in used.items()} == {0: 2, 1: 1}
+
+
+def test_schedule_lease_instances_by_hand():
+    """1F1B, pp=2, m=4, rank 0 (stage 0): F0 F1 claim instances 0 and 1; B0 frees 0, so F2 takes 0; B1 frees
+    1 for F3 — the walk the verifier proves, as the schedule picture draws it."""
+    from moe_compile.schedules import ScheduleOrder
+    from moe_compile.viz.schedule import schedule_instances
+
+    cells = schedule_instances(ScheduleOrder.build("1f1b", 2, 4).order)
+    rank0 = [c[0] for (r, _), c in sorted(cells.items()) if r == 0]
+    assert [(k, mb, i) for k, _, mb, i in rank0] == [("F", 0, 0), ("F", 1, 1), ("B", 0, 0), ("F", 2, 0), ("B", 1, 1),
+                                                     ("F", 3, 1), ("B", 2, 0), ("B", 3, 1)]
