@@ -36,6 +36,10 @@ class SavedBytes:
         self.skip = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
 
     def pack(self, t: torch.Tensor):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(t, FakeTensor) or t.device.type == "meta":  # tracing (the first step compiles)
+            return t
         if t.untyped_storage().data_ptr() in self.skip:
             return _Box(t, 0, self)
         n = t.untyped_storage().nbytes()
@@ -44,7 +48,7 @@ class SavedBytes:
         return _Box(t, n, self)
 
     def unpack(self, box):
-        return box.t
+        return box if isinstance(box, torch.Tensor) else box.t
 
 
 class _Box:

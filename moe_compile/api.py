@@ -68,9 +68,6 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = mesh.resolve(world)
     schedule = _schedule_for(spec, opts)
-    if spec.cp > 1 and spec.pp > 1:
-        raise MeshError(f"mesh {spec}: context parallelism together with pipeline parallelism is not supported "
-                        "yet; use cp or pp")
     if spec.cp > 1:
         _check_context_parallel(model, spec)
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
@@ -104,6 +101,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     program = Program(
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
+        cp_rank=groups.cp_rank if groups else 0,
         codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}

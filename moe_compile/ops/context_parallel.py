@@ -71,6 +71,20 @@ all_gather.register_autograd(_backward, setup_context=_setup)
 reduce_scatter.register_autograd(_backward_rs, setup_context=_setup)
 
 
+@torch.library.custom_op("moe_cp::positions", mutates_args=())
+def positions(like: torch.Tensor, seq: int, cp: int, rank: int) -> torch.Tensor:
+    """[1, seq/cp] global positions of CP rank ``rank``'s tokens (runtime.context_parallel.shard_positions),
+    for a graph that does not take position_ids itself (a later pipeline stage)."""
+    from ..runtime.context_parallel import shard_positions
+
+    return shard_positions(seq, cp, rank).to(like.device).unsqueeze(0)
+
+
+@positions.register_fake
+def _(like, seq, cp, rank):
+    return like.new_empty((1, seq // cp), dtype=torch.int64)
+
+
 class LossSum(torch.autograd.Function):
     """Σ over the CP group of each rank's part of the whole-sequence loss; every rank then holds the
     whole loss, and backward hands each rank's part gradient 1 (its tokens' share), not cp."""

@@ -64,11 +64,21 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
             f"none{where}: run the model's attention through SDPA (transformers: attn_implementation='sdpa')")
     pos = [n for n in nodes if n.op == "placeholder" and "position_ids" in n.name]
-    if len(pos) != 1:
+    if len(pos) > 1:
+        raise UnsupportedFeatureError(f"context parallelism (cp={cp}): the captured graph takes {len(pos)} position "
+                                      "id inputs; expected one")
+    if pos:
+        pos = pos[0]
+    elif prog.pipeline_stage > 0:  # a later pipeline stage reads no position ids: the shard's own, as constants
+        q0 = _arg(attn[0], 0)
+        seq = int(q0.meta["val"].shape[-2]) * cp
+        with g.inserting_before(attn[0]):
+            pos = g.call_function(torch.ops.moe_cp.positions.default, (q0, seq, cp, prog.cp_rank))
+        propagate_fake([pos])
+    else:
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) feeds each shard's global position ids to the model as position_ids, "
             "but the captured graph takes none: the model's forward must accept position_ids")
-    pos = pos[0]
     with g.inserting_after(pos):
         kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
     propagate_fake([kpos])

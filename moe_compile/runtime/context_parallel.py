@@ -37,8 +37,9 @@ def shard_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
 
 
-def shard_batch(kwargs: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
-    """The model kwargs of this CP rank's shard (see the module docstring)."""
+def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) -> dict[str, Any]:
+    """The model kwargs of this CP rank's shard (see the module docstring). ``count=False``: no
+    num_items_in_batch (the model returns its shard's mean; a pipeline weights it per microbatch)."""
     ids = kwargs.get("input_ids")
     if ids is None or ids.dim() != 2:
         raise OptionError("context parallelism needs input_ids of shape [batch, sequence]")
@@ -58,5 +59,6 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int) -> dict[str, Any]:
     if labels is not None:
         shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
         out["labels"] = out["shift_labels"] = shifted[:, idx].contiguous()
-        out["num_items_in_batch"] = (shifted != -100).sum()
+        if count:
+            out["num_items_in_batch"] = (shifted != -100).sum()
     return out

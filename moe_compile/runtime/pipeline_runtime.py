@@ -89,12 +89,14 @@ def _caused_by(e: BaseException, kind: type) -> bool:
     return False
 
 
-def _stage_entry(gm):
+def _stage_entry(graph):
     """What torch.compile captures for one stage: ``gm.forward`` itself (calling the GraphModule would
-    run fx's call wrapper, whose error formatting a runtime guard's exception would pass through)."""
+    run fx's call wrapper, whose error formatting a runtime guard's exception would pass through). Batch
+    inputs come by keyword, so the captured graph's inputs keep their names (``position_ids``)."""
+    gm, names = graph.gm, list(graph.batch_names)
 
-    def moe_stage(*args):
-        return gm.forward(*args)
+    def moe_stage(*acts, **batch):
+        return gm.forward(*acts, *[batch[k] for k in names])
 
     return fresh(moe_stage)
 
@@ -114,7 +116,7 @@ class StageModule(nn.Module):
         if missing:
             raise OptionError(f"pipeline stage {self.stage} needs batch input(s) {missing} (every rank of a "
                               "pipeline passes the same batch)")
-        out = self._compiled(*acts, *[batch[k] for k in self.batch_names])
+        out = self._compiled(*acts, **{k: batch[k] for k in self.batch_names})
         return out
 
 
@@ -187,7 +189,7 @@ class PipelineRuntime:
         for sprog in self._stage_programs():
             s = sprog.pipeline_stage
             g = graphs[s]
-            compiled = torch.compile(_stage_entry(g.gm), backend=MoEBackend(sprog), fullgraph=prog.options.fullgraph,
+            compiled = torch.compile(_stage_entry(g), backend=MoEBackend(sprog), fullgraph=prog.options.fullgraph,
                                      dynamic=False, recompile_limit=RECOMPILE_LIMIT)
             module = StageModule(g, compiled)
             ins = tuple(_empty_like_val(fake[n], device) for n in g.activations_in)
@@ -199,7 +201,16 @@ class PipelineRuntime:
         self._compile_stages(mb)
         cls = SCHEDULES[self.schedule.name]
         pipes = [st.pipe for st in self.stages]
-        kw = dict(n_microbatches=self.schedule.microbatches, loss_fn=_weighted_loss, scale_grads=False)
+        loss_fn = _weighted_loss
+        if cm.program.mesh.cp > 1:  # each CP rank's weighted part, summed over the CP group (backward: 1 each)
+            from ..ops.context_parallel import LossSum
+
+            group = cm.groups.cp
+
+            def loss_fn(output, target):
+                return LossSum.apply(_weighted_loss(output, target), group)
+
+        kw = dict(n_microbatches=self.schedule.microbatches, loss_fn=loss_fn, scale_grads=False)
         self._torch_schedule = cls(pipes if self.schedule.name == "interleaved_1f1b" else pipes[0], **kw)
 
     def _compile_stages(self, mb: dict[str, Any]) -> None:
@@ -228,6 +239,21 @@ class PipelineRuntime:
     def train_step(self, kwargs: dict[str, Any]) -> torch.Tensor:
         m = self.schedule.microbatches
         b = split_batch_check(kwargs, m)
+        spec = self.cm.program.mesh
+        if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
+            from .context_parallel import shard_batch
+
+            labels = kwargs.get("labels")
+            if "position_ids" in kwargs:
+                raise OptionError("pipeline with context parallelism: position_ids are the shard's own (pass none)")
+            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False)
+            # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
+            # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
+            local = (kwargs["shift_labels"] != -100).reshape(m, -1).sum(1).double()
+            total = (labels[..., 1:] != -100).sum().double() if labels is not None else None
+            w = (local / total).float() if total is not None and total > 0 else torch.full((m,), 1.0 / m)
+        else:
+            w = microbatch_weights(kwargs.get("labels"), m, b)
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         shape = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items()))
         if self._torch_schedule is None:
@@ -237,7 +263,6 @@ class PipelineRuntime:
         elif shape != self._shape:
             raise OptionError(f"train_step: batch shapes {shape} differ from the first step's {self._shape}; a "
                               "pipeline is compiled for one microbatch shape")
-        w = microbatch_weights(kwargs.get("labels"), m, b)
         losses: list[torch.Tensor] = []
         cm = self.cm
         ctx = cm.ddp.no_sync() if cm.ddp is not None else _null()
@@ -269,7 +294,7 @@ class PipelineRuntime:
         for s in range(self.split.num_stages):
             prog = self._program_for(s)
             g = graphs[s]
-            compiled = torch.compile(_stage_entry(g.gm), backend=MoEBackend(prog), fullgraph=True, dynamic=False,
+            compiled = torch.compile(_stage_entry(g), backend=MoEBackend(prog), fullgraph=True, dynamic=False,
                                      recompile_limit=RECOMPILE_LIMIT)
             acts = [_empty_like_val(fake[n], device).zero_().requires_grad_(fake[n].is_floating_point())
                     for n in g.activations_in]
@@ -296,6 +321,9 @@ class PipelineRuntime:
         labels) are broadcast to every rank of the pipeline."""
         if args:
             raise OptionError("a pipelined CompiledMoE takes its batch by keyword (input_ids=..., labels=...)")
+        if self.cm.program.mesh.cp > 1:
+            raise OptionError("forward-only evaluation of a pipeline with context parallelism (pp > 1 and cp > 1) is "
+                              "not supported; evaluate on a mesh with one of them")
         if torch.is_grad_enabled():
             raise OptionError("a pipelined CompiledMoE (pp > 1) trains through cm.train_step(input_ids=..., "
                               "labels=...); calling it directly is forward-only evaluation: use torch.no_grad()")
@@ -350,7 +378,7 @@ class PipelineRuntime:
         stages = {}
         for st in self._stage_programs():
             g = graphs[st.pipeline_stage]
-            compiled = torch.compile(_stage_entry(g.gm), backend=MoEBackend(st), fullgraph=cm.program.options.fullgraph,
+            compiled = torch.compile(_stage_entry(g), backend=MoEBackend(st), fullgraph=cm.program.options.fullgraph,
                                      dynamic=False, recompile_limit=RECOMPILE_LIMIT)
             stages[st.pipeline_stage] = (StageModule(g, compiled), g)
         return stages, fake
