@@ -14,7 +14,6 @@ cp ∈ {1, 2, 4} (cp ranks, ep_mp = 1, so only the sequence is split):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from pipeline import SavedBytes  # noqa: E402  (the saved-tensor meter)
+from pipeline import SavedBytes, emit  # noqa: E402  (the saved-tensor meter, the report)
 
 
 def rank_main(rank: int, world: int, seq: int, steps: int, layers: int) -> dict:
@@ -77,11 +76,7 @@ def main() -> int:
     report = {"config": vars(args), "runs": runs,
               "ratios": {cp: {"peak_saved_vs_cp1": r["peak_saved_bytes"] / base["peak_saved_bytes"],
                               "step_time_vs_cp1": r["step_s"] / base["step_s"]} for cp, r in runs.items()}}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
-    return 0
+    return emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -132,10 +132,15 @@ def main() -> int:
             "lease_bytes_rank0_aware_vs_one_per_microbatch":
                 r["lease_bytes_per_rank"][0] / max(1, r["lease_bytes_one_per_microbatch_per_rank"][0]),
         }
+    return emit(report, args.json)
+
+
+def emit(report: dict, path: str | None) -> int:
+    """Print the report (JSON) and write it to ``path`` if given."""
     text = json.dumps(report, indent=1)
     print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    if path:
+        Path(path).write_text(text)
     return 0
 
 
