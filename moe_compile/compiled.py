@@ -74,7 +74,7 @@ class CompiledMoE(nn.Module):
 
         m = microbatches or self.program.options.microbatches
         b = split_batch_check(batch, m)
-        w = microbatch_weights(batch.get("labels"), m, b)
+        w = microbatch_weights(batch.get("labels"), m)
         total = None
         for j in range(m):
             mb = {k: (v[j * b // m:(j + 1) * b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)

@@ -26,7 +26,7 @@ from typing import Any
 from .leases import LEASE_FAMILY
 
 
-def _bytes_per_element(name: str, cm, split) -> float:
+def _bytes_per_element(name: str, cm) -> float:
     spec = cm.program.mesh
     replicas = spec.ep_dp if cm.is_expert_param(name) else spec.dp * spec.cp
     return 4 + 12 / replicas  # main_grad + ZeRO-1 share of the optimizer state
@@ -43,7 +43,7 @@ def stage_rows(cm, programs: dict[int, Any]) -> dict[str, Any]:
         mine = [n for n, st in split.owner.items() if st == s and n in params]
         p_local = sum(params[n].numel() for n in mine)
         weights = sum(params[n].numel() * params[n].element_size() for n in mine)
-        state = sum(params[n].numel() * _bytes_per_element(n, cm, split) for n in mine if params[n].requires_grad)
+        state = sum(params[n].numel() * _bytes_per_element(n, cm) for n in mine if params[n].requires_grad)
         gm = None
         if "forward" in prog.graphs:
             gm = graph_memory(prog.graphs["forward"], prog.graphs.get("backward"),

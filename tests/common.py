@@ -155,3 +155,23 @@ def apply_reference_drops(model: nn.Module, world: int, ep_mp: int, capacity_fac
                 return _orig(x, idx, weights * keep.to(weights.dtype))
 
             block.expert_mix = types.MethodType(mix, block)
+
+
+def cli_train(tmp, ranks: int, mesh: str, steps: int, metrics: str, *extra: str) -> str:
+    """``moe-compile train`` in a subprocess (16-token sequences, per-step metrics to tmp/metrics); its stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "moe_compile.cli", "train", "--ranks", str(ranks), "--mesh", mesh, "--steps",
+           str(steps), "--seq-len", "16", "--no-progress", "--metrics-jsonl", str(tmp / metrics), *extra]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def metric_rows(path) -> list[tuple[int, float, float]]:
+    """(step, loss, grad_norm) of every row of a --metrics-jsonl file."""
+    import json
+
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, path.read_text().splitlines())]

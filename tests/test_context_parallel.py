@@ -17,7 +17,15 @@ from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import OptionError, UnsupportedFeatureError
 from moe_compile.runtime.context_parallel import shard_positions
 
-from .common import build_model, grads_of, make_batches, rel_err, skew_to_first_experts
+from .common import (
+    build_model,
+    cli_train,
+    grads_of,
+    make_batches,
+    metric_rows,
+    rel_err,
+    skew_to_first_experts,
+)
 from .harness import run_ranks
 
 TOL = 1e-5
@@ -136,33 +144,15 @@ def test_context_parallel_bad_input_is_a_clear_error():
         assert "attention_mask with padding" in msgs[3]
 
 
-def _train(tmp, ranks: int, mesh: str, steps: int, metrics: str, *extra: str) -> str:
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cmd = [sys.executable, "-m", "moe_compile.cli", "train", "--hf", "olmoe", "--ranks", str(ranks), "--mesh", mesh,
-           "--steps", str(steps), "--seq-len", "16", "--no-progress", "--metrics-jsonl", str(tmp / metrics), *extra]
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 @pytest.mark.slow
 def test_train_cp2_then_resume_on_cp1(tmp_path):
     """OLMoE trained 2 steps on cp=2 × ep_mp=2 (optimizer, clipping), resumed on one rank: every step's
     loss and gradient norm follow the one-rank run (same data: a CP group shares its replica's batch)."""
-    import json
-
-    _train(tmp_path, 1, "dp=1", 4, "ref.jsonl")
-    _train(tmp_path, 2, "cp=2,ep_mp=2", 2, "run.jsonl", "--ckpt", str(tmp_path / "ck"))
-    out = _train(tmp_path, 1, "dp=1", 4, "run.jsonl", "--ckpt", str(tmp_path / "ck"), "--resume")
+    cli_train(tmp_path, 1, "dp=1", 4, "ref.jsonl", "--hf", "olmoe")
+    cli_train(tmp_path, 2, "cp=2,ep_mp=2", 2, "run.jsonl", "--hf", "olmoe", "--ckpt", str(tmp_path / "ck"))
+    out = cli_train(tmp_path, 1, "dp=1", 4, "run.jsonl", "--hf", "olmoe", "--ckpt", str(tmp_path / "ck"), "--resume")
     assert "resumed from" in out, out
-
-    def rows(p):
-        return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, p.read_text().splitlines())]
-
-    got, want = rows(tmp_path / "run.jsonl"), rows(tmp_path / "ref.jsonl")
+    got, want = metric_rows(tmp_path / "run.jsonl"), metric_rows(tmp_path / "ref.jsonl")
     assert [s for s, _, _ in got] == [1, 2, 3, 4]
     for (s, loss, norm), (_, rl, rn) in zip(got, want):
         assert abs(loss - rl) <= 1e-5 * abs(rl) and abs(norm - rn) <= 1e-4 * abs(rn), (s, loss, rl, norm, rn)

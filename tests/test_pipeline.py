@@ -18,7 +18,7 @@ from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import IRError, MeshError, OptionError, RuntimeFault, UnsupportedFeatureError
 from moe_compile.passes.split_stages import plan_split
 
-from .common import build_model, grads_of, make_batches, rel_err
+from .common import build_model, cli_train, grads_of, make_batches, metric_rows, rel_err
 from .harness import run_ranks
 
 TOL = 1e-5
@@ -273,40 +273,21 @@ def test_train_step_at_pp1_is_gradient_accumulation():
 # -- training and checkpoints across a changed pp -------------------------------------------------
 
 
-def _train(tmp, ranks: int, mesh: str, steps: int, metrics: str, *extra: str) -> str:
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    cmd = [sys.executable, "-m", "moe_compile.cli", "train", "--ranks", str(ranks), "--mesh", mesh, "--steps",
-           str(steps), "--seq-len", "16", "--microbatches", "2", "--layers", "2", "--no-progress",
-           "--metrics-jsonl", str(tmp / metrics), *extra]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def _losses(path) -> list[tuple[int, float, float]]:
-    import json
-
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, path.read_text().splitlines())]
-
-
 @pytest.mark.slow
 def test_train_and_resume_across_pp(tmp_path):
     """The compiled loop (AdamW, FP32 main weights, ZeRO-1 per stage, global clipping) on pp=2 × ep_mp=2
     follows the pp=1 run step for step (same dp=2, same data); a pp=2 checkpoint resumes on pp=1 and a
     pp=1 checkpoint on pp=2, optimizer state included."""
     ref = "dp=2,ep_mp=2"
-    _train(tmp_path, 4, "pp=2,ep_mp=2", 2, "a.jsonl", "--ckpt", str(tmp_path / "a"))
-    _train(tmp_path, 2, ref, 2, "b.jsonl", "--ckpt", str(tmp_path / "b"))
-    out = _train(tmp_path, 2, ref, 4, "a.jsonl", "--ckpt", str(tmp_path / "a"), "--resume")
+    pp = ("--microbatches", "2", "--layers", "2")
+    cli_train(tmp_path, 4, "pp=2,ep_mp=2", 2, "a.jsonl", *pp, "--ckpt", str(tmp_path / "a"))
+    cli_train(tmp_path, 2, ref, 2, "b.jsonl", *pp, "--ckpt", str(tmp_path / "b"))
+    out = cli_train(tmp_path, 2, ref, 4, "a.jsonl", *pp, "--ckpt", str(tmp_path / "a"), "--resume")
     assert "resumed from" in out and "pp=1" in out, out
-    out = _train(tmp_path, 4, "pp=2,ep_mp=2", 4, "b.jsonl", "--ckpt", str(tmp_path / "b"), "--resume",
+    out = cli_train(tmp_path, 4, "pp=2,ep_mp=2", 4, "b.jsonl", *pp, "--ckpt", str(tmp_path / "b"), "--resume",
                  "--schedule", "gpipe")
     assert "resumed from" in out and "pp=2" in out, out
-    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")  # a: pp=2 then pp=1; b: the reverse
+    a, b = metric_rows(tmp_path / "a.jsonl"), metric_rows(tmp_path / "b.jsonl")  # a: pp=2 then pp=1; b: the reverse
     assert [s for s, _, _ in a] == [s for s, _, _ in b] == [1, 2, 3, 4], (a, b)
     for (s, loss, norm), (_, rl, rn) in zip(a, b):
         assert abs(loss - rl) <= 1e-5 * abs(rl) and abs(norm - rn) <= 1e-4 * abs(rn), (s, loss, rl, norm, rn)

@@ -27,6 +27,7 @@ microbatch's own, weighted like its token loss.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +125,7 @@ def _empty_like_val(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(int(s) for s in v.shape), dtype=v.dtype, device=device)
 
 
-def microbatch_weights(labels: torch.Tensor | None, m: int, batch: int) -> torch.Tensor:
+def microbatch_weights(labels: torch.Tensor | None, m: int) -> torch.Tensor:
     """w_j: the share of the batch's loss tokens in microbatch j (shifted labels, −100 ignored)."""
     if labels is None:
         return torch.full((m,), 1.0 / m)
@@ -253,7 +254,7 @@ class PipelineRuntime:
             total = (labels[..., 1:] != -100).sum().double() if labels is not None else None
             w = (local / total).float() if total is not None and total > 0 else torch.full((m,), 1.0 / m)
         else:
-            w = microbatch_weights(kwargs.get("labels"), m, b)
+            w = microbatch_weights(kwargs.get("labels"), m)
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         shape = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items()))
         if self._torch_schedule is None:
@@ -265,7 +266,7 @@ class PipelineRuntime:
                               "pipeline is compiled for one microbatch shape")
         losses: list[torch.Tensor] = []
         cm = self.cm
-        ctx = cm.ddp.no_sync() if cm.ddp is not None else _null()
+        ctx = cm.ddp.no_sync() if cm.ddp is not None else contextlib.nullcontext()
         with ctx:
             self._torch_schedule.step(**kwargs, target=w, losses=losses, return_outputs=False)
         if cm.ddp is not None:
@@ -406,11 +407,3 @@ def _layer_index(path: str, layers_path: str) -> int | None:
         return None
     head = path[len(prefix):].split(".", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
