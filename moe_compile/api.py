@@ -95,7 +95,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if spec.cp > 1 and spec.ep_mp > 1 and opts.capacity_factor is None:
         from .runtime.dropless import dropless_state
 
-        dropless_state(ctx_id, spec.ep_mp).sync_group = groups.dense  # CP all-gathers span EP-MP groups
+        dropless_state(ctx_id, spec.ep_mp, opts.dropless_headroom).sync_group = groups.dense  # CP all-gathers span EP-MP groups
     if opts.mxfp8:
         attach_weight_stores(model, [s for s, _ in blocks], get_context(ctx_id), opts)
     program = Program(

@@ -45,7 +45,8 @@ class MoEBackend:
             def build():
                 return self.compile(first.pop() if first else snapshot(pristine), example_inputs)
 
-            return DroplessEntry(dropless_state(prog.ctx_id, prog.ep_size), build)
+            state = dropless_state(prog.ctx_id, prog.ep_size, prog.options.dropless_headroom)
+            return DroplessEntry(state, build)
         return self.compile(gm, example_inputs)
 
     def compile(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):

@@ -16,6 +16,8 @@ MXFP8_SCALE_MODES = ("rceil", "floor")
 @dataclass(frozen=True)
 class CompileOptions:
     capacity_factor: float | None = None  # None: dropless; else rank-level capacity with tail drop
+    dropless_headroom: float = 1.5  # dropless: first receive factor h (buffers hold ⌈min(ep, h)·T·K⌉ rows;
+    #                                 an overflow doubles it, recompiles and reruns the forward)
     transport: str = "auto"  # how dispatch/combine move rows: all_to_all | symmetric | auto (symmetric
     #                          on CPU ranks of one host, else all_to_all; symmetric on GPUs: NVSHMEM)
     lease_sharing: bool = True  # False: a fixed per-block cache per symmetric payload (no slot reuse)
@@ -39,6 +41,9 @@ class CompileOptions:
         cf = self.capacity_factor
         if cf is not None and (not isinstance(cf, int | float) or isinstance(cf, bool) or cf <= 0):
             raise OptionError(f"capacity_factor={cf!r}: must be a positive number, or None for dropless")
+        h = self.dropless_headroom
+        if not isinstance(h, int | float) or isinstance(h, bool) or h < 1:
+            raise OptionError(f"dropless_headroom={h!r}: must be a number ≥ 1 (receive rows per routed row)")
         if self.transport not in TRANSPORTS:
             raise OptionError(f"transport={self.transport!r}: supported values are {TRANSPORTS}")
         if self.codegen not in CODEGENS:

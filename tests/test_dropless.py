@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import OptionError
+from moe_compile.options import CompileOptions
 from moe_compile.runtime.dropless import (
     DROPLESS_HEADROOM,
     dropless_rows,
@@ -27,14 +29,14 @@ from .harness import run_ranks
 from .test_parity import TOL, model_experts
 
 
-def dropless_worker(rank: int, world: int, mesh: str, scenario: str, steps: int) -> dict:
+def dropless_worker(rank: int, world: int, mesh: str, scenario: str, steps: int, options: dict | None = None) -> dict:
     spec = MeshSpec.parse(mesh).resolve(world)
     model = build_model("tiny")
     batches = make_batches(world, 2, 16, seed=7)
     if scenario == "skewed":
         skew_to_first_experts(model, model_experts(model) // spec.ep_mp)
     ref_losses, ref_grads = dense_reference(model, batches)
-    cm = moe_compile(model, spec)
+    cm = moe_compile(model, spec, **(options or {}))
     out = {"losses": [], "kept": [], "requested": [], "recv_rows": []}
     for _ in range(steps):
         for p in cm.parameters():
@@ -74,6 +76,17 @@ def test_uniform_load_keeps_the_headroom_capacity():
     r = results[0]
     assert r["growths"] == [] and r["factor"] == DROPLESS_HEADROOM
     assert r["capacity"] == dropless_rows(r["rows"], 2, DROPLESS_HEADROOM) < 2 * r["rows"]
+
+
+def test_headroom_option_sets_the_first_capacity():
+    """dropless_headroom=1.25 on a skewed load: the first buffer holds ⌈1.25·T·K⌉ rows, and the growth
+    starts from 1.25 (1.25 → 2.5, capped at ep_mp = 2)."""
+    with pytest.raises(OptionError, match="dropless_headroom=0.5"):
+        CompileOptions(dropless_headroom=0.5)
+    results = run_ranks(dropless_worker, 2, "ep_mp=2", "skewed", 1, {"dropless_headroom": 1.25})
+    _check_exact(results)
+    r = results[0]
+    assert r["growths"] == [(Fraction(5, 4), 2, 2 * r["rows"])], r["growths"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -152,7 +152,7 @@ def _dispatch_spec(graphs: dict[str, torch.fx.GraphModule]):
 def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, capacity_factor: float | None,
                   micro_batches: int, optimizer_state_bytes: int, main_weights: bool | None, mxfp8: bool,
                   activation_dtype: torch.dtype | None, tokens: int | None,
-                  seq_len: int | None, dropless_factor=None,
+                  seq_len: int | None, dropless_factor=None, dropless_headroom=None,
                   load_imbalance: float | None = None) -> tuple[dict[str, int | float | None], list[str]]:
     notes: list[str] = []
     spec, dnode = _dispatch_spec(graphs)
@@ -168,12 +168,13 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         notes.append("attention FLOPs need a captured graph with scaled_dot_product_attention calls")
     if main_weights is None:
         main_weights = b_w < 4
+    h_d = DROPLESS_HEADROOM if dropless_headroom is None else Fraction(dropless_headroom).limit_denominator(1000)
     v: dict[str, int | float | None] = dict(
         d=shape.d, h_e=shape.h_e, N=shape.N, K=shape.K, L=shape.layers, G=int(shape.gated),
         m_s=shape.m_s, G_s=1, sigma_s=0, P_bb=counts.backbone, P_lookup=counts.lookup, P_vec=counts.vector,
         pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep_dp=mesh.ep_dp, ep_mp=mesh.ep_mp,
-        c_f=(min(mesh.ep_mp, dropless_factor or DROPLESS_HEADROOM)) if capacity_factor is None else capacity_factor,
-        h_d=DROPLESS_HEADROOM, rho=load_imbalance,
+        c_f=(min(mesh.ep_mp, dropless_factor or h_d)) if capacity_factor is None else capacity_factor,
+        h_d=h_d, rho=load_imbalance,
         m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
         b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8), H=None,
         L_attn=None, d_qk=None, d_v=None,
@@ -270,6 +271,7 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
         micro_batches=micro_batches, optimizer_state_bytes=optimizer_state_bytes, main_weights=main_weights,
         mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
         dropless_factor=state.factor if state is not None else None, load_imbalance=load_imbalance or 1,
+        dropless_headroom=prog.options.dropless_headroom,
     )
     gm = None
     if "forward" in graphs:

@@ -70,7 +70,7 @@ def insert_dispatch_combine(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         rows = t * k
         block = a["block"]
         if prog.options.capacity_factor is None:  # dropless: the load-following capacity (module docstring)
-            cap = dropless_state(prog.ctx_id, prog.ep_size).capacity(block, rows)
+            cap = dropless_state(prog.ctx_id, prog.ep_size, prog.options.dropless_headroom).capacity(block, rows)
         else:
             cap = capacity_rows(rows, prog.ep_size, prog.options.capacity_factor)
         ctx.dispatch[block] = DispatchSpec(t, k, cap, prog.options.capacity_factor is None, prog.ep_size,

@@ -25,7 +25,7 @@ from fractions import Fraction
 
 import torch
 
-DROPLESS_HEADROOM = Fraction(3, 2)  # h: first receive factor (module default until CompileOptions has a field)
+DROPLESS_HEADROOM = Fraction(3, 2)  # h: the default first receive factor (CompileOptions.dropless_headroom)
 
 
 def dropless_rows(rows: int, ep: int, factor: Fraction) -> int:
@@ -120,11 +120,12 @@ class DroplessState:
 _STATES: dict[int, DroplessState] = {}
 
 
-def dropless_state(ctx_id: int, ep: int) -> DroplessState:
-    """The dropless state of runtime context ``ctx_id`` (created on first use)."""
+def dropless_state(ctx_id: int, ep: int, headroom: float | Fraction | None = None) -> DroplessState:
+    """The dropless state of runtime context ``ctx_id`` (created on first use, starting at ``headroom``)."""
     s = _STATES.get(ctx_id)
     if s is None or s.ep != ep:
-        s = _STATES[ctx_id] = DroplessState(ep)
+        h = DROPLESS_HEADROOM if headroom is None else Fraction(headroom).limit_denominator(1000)
+        s = _STATES[ctx_id] = DroplessState(ep, headroom=h, factor=h)
     return s
 
 
