@@ -8,7 +8,14 @@
 each divided by the step (fwd+bwd with reduction + optimizer step). Timed regions start after a barrier;
 a sample is the slowest rank's time; the figure is the median over samples, the variants interleaved.
 
-    python benchmarks/train_overheads.py [--quick] [--json out.json]
+Gradient reduction is measured for each ``--reduction`` variant (grad_reduction=in_graph: bucket
+all-reduces as nodes of the compiled backward; hooks: autograd hooks, all buckets start after it
+returns), each on its own copy of the model, sampled in turn (order rotated each round) in the same
+run; the second table's figure is the median of each round's back-to-back difference, steadier under
+a varying load than the difference of medians. Optimizer and checkpoint figures are the first variant's.
+
+    python benchmarks/train_overheads.py [--quick] [--json out.json] [--meshes 4:ep_mp=2,...]
+                                         [--reduction in_graph,hooks] [--bucket-mb MB]
 """
 
 from __future__ import annotations
@@ -33,36 +40,45 @@ def _timed(fn) -> float:
 
 
 def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, seq: int, rounds: int,
-                   saves: int) -> dict:
+                   saves: int, variants: tuple[str, ...] = ("in_graph",), bucket_mb: float | None = None) -> dict:
+    from moe_compile import MeshSpec, moe_compile
     from moe_compile.train.checkpoint import load_checkpoint, save_checkpoint
     from moe_compile.train.data import SyntheticStream
-    from moe_compile.train.loop import TrainConfig, build_model, compile_for
+    from moe_compile.train.loop import TrainConfig, build_model
     from moe_compile.train.optimizer import OLMoDDPOptimizer
 
     cfg = TrainConfig(mesh=mesh, d_model=d_model, batch_size=batch, seq_len=seq)
-    cm = compile_for(cfg, build_model(cfg))
-    opt = OLMoDDPOptimizer(cm, lr=1e-3, max_grad_norm=1.0)
+    extra = {"bucket_mb": bucket_mb} if bucket_mb is not None else {}
     stream = SyntheticStream(256, seq, batch, seed=0)
     x = stream.batch(rank)
+    runs = {}
+    for v in variants:  # one model per variant, the same weights
+        cm = moe_compile(build_model(cfg), MeshSpec.parse(mesh), capacity_factor=cfg.capacity_factor,
+                         grad_reduction=v, **extra)
+        runs[v] = (cm, OLMoDDPOptimizer(cm, lr=1e-3, max_grad_norm=1.0))
 
-    def fwd_bwd():
+    def fwd_bwd(cm):
         cm(input_ids=x, labels=x).loss.backward()
 
-    def fwd_bwd_no_sync():
+    def fwd_bwd_no_sync(cm):
         with cm.no_sync():
-            fwd_bwd()
+            fwd_bwd(cm)
 
-    for _ in range(3):  # compile and warm up
-        fwd_bwd()
-        opt.step()
-        opt.zero_grad()
-    s: dict[str, list[float]] = {"fwd_bwd": [], "fwd_bwd_no_sync": [], "optimizer": []}
-    for _ in range(rounds):
-        s["fwd_bwd"].append(_timed(fwd_bwd))
-        s["optimizer"].append(_timed(opt.step))
-        opt.zero_grad()
-        s["fwd_bwd_no_sync"].append(_timed(fwd_bwd_no_sync))
-        opt.zero_grad()
+    for cm, opt in runs.values():  # compile and warm up
+        for _ in range(3):
+            fwd_bwd(cm)
+            opt.step()
+            opt.zero_grad()
+    s: dict[str, list[float]] = {f"{k}:{v}": [] for v in variants for k in ("fwd_bwd", "fwd_bwd_no_sync", "optimizer")}
+    for i in range(rounds):
+        for v in variants[i % len(variants):] + variants[: i % len(variants)]:  # rotate: no order bias
+            cm, opt = runs[v]
+            s[f"fwd_bwd:{v}"].append(_timed(lambda cm=cm: fwd_bwd(cm)))
+            s[f"optimizer:{v}"].append(_timed(opt.step))
+            opt.zero_grad()
+            s[f"fwd_bwd_no_sync:{v}"].append(_timed(lambda cm=cm: fwd_bwd_no_sync(cm)))
+            opt.zero_grad()
+    cm, opt = runs[variants[0]]
     root = tempfile.mkdtemp(prefix="moe_ckpt_bench_") if rank == 0 else ""
     obj = [root]
     dist.broadcast_object_list(obj)
@@ -79,18 +95,28 @@ def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, s
 
     size = sum(p.stat().st_size for p in pathlib.Path(root).rglob("*") if p.is_file())
     shutil.rmtree(root, ignore_errors=True)
-    step = med["fwd_bwd"] + med["optimizer"]
+    def step_of(v):
+        return med[f"fwd_bwd:{v}"] + med[f"optimizer:{v}"]
+
+    def paired(v):  # median of each round's difference: the two samples are taken back to back
+        return statistics.median(a - b for a, b in zip(s[f"fwd_bwd:{v}"], s[f"fwd_bwd_no_sync:{v}"]))
+
+    for k in ("fwd_bwd", "fwd_bwd_no_sync", "optimizer"):
+        med[k] = med[f"{k}:{variants[0]}"]
+    step = step_of(variants[0])
     grad_bytes = sum(b["bytes"] for b in cm.ddp.bucket_summary())
     return {
         "mesh": str(cm.program.mesh), "ranks": world, "tokens_per_rank": batch * seq, "d_model": d_model,
         "params_per_rank": sum(p.numel() for p in cm.parameters()), "bucket_bytes_per_rank": grad_bytes,
-        "checkpoint_bytes": size, "seconds": med,
+        "buckets": len(cm.ddp.buckets), "checkpoint_bytes": size, "seconds": med,
         "ratios": {
             "reduction": (med["fwd_bwd"] - med["fwd_bwd_no_sync"]) / step,
             "optimizer": med["optimizer"] / step,
             "checkpoint_save": med["save"] / step,
             "checkpoint_load": med["load"] / step,
         },
+        "reduction": {v: {"ratio": paired(v) / step_of(v), "seconds": paired(v), "step_seconds": step_of(v)}
+                      for v in variants},
         "step_seconds": step,
     }
 
@@ -99,13 +125,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--meshes", default="4:ep_mp=2,2:ep_mp=2,2:ep_mp=1", help="RANKS:MESH,... (default: %(default)s)")
+    ap.add_argument("--reduction", default="in_graph,hooks", help="grad_reduction variants, the first one is the "
+                    "main table's (default: %(default)s)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size (default: the option's)")
+    ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
     from moe_compile.runtime.launcher import spawn_ranks
 
     rounds, saves = (5, 2) if args.quick else (20, 5)
+    rounds = args.rounds or rounds
+    variants = tuple(args.reduction.split(","))
     results = []
-    for ranks, mesh in ((4, "ep_mp=2"), (2, "ep_mp=2"), (2, "ep_mp=1")):
-        r = spawn_ranks(overheads_rank, ranks, mesh, 128, 4, 64, rounds, saves, env={"OMP_NUM_THREADS": "1"})[0]
+    for item in args.meshes.split(","):
+        ranks, mesh = item.split(":", 1)
+        r = spawn_ranks(overheads_rank, int(ranks), mesh, 128, 4, 64, rounds, saves, variants, args.bucket_mb,
+                        env={"OMP_NUM_THREADS": "1"})[0]
         results.append(r)
     print("| mesh (ranks) | step | reduction | optimizer step | checkpoint save | checkpoint load | checkpoint size |")
     print("|---|---|---|---|---|---|---|")
@@ -116,6 +151,13 @@ def main() -> None:
               f"{rat['optimizer']:.2f} ({sec['optimizer'] * 1e3:.1f} ms) | "
               f"{rat['checkpoint_save']:.2f} ({sec['save'] * 1e3:.0f} ms) | "
               f"{rat['checkpoint_load']:.2f} ({sec['load'] * 1e3:.0f} ms) | {r['checkpoint_bytes'] / 2**20:.1f} MiB |")
+    print()
+    print("| mesh (ranks) | buckets | " + " | ".join(f"reduction, {v}" for v in variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    for r in results:
+        cells = [f"{x['ratio']:.3f} ({x['seconds'] * 1e3:.1f} of {x['step_seconds'] * 1e3:.0f} ms)"
+                 for x in r["reduction"].values()]
+        print(f"| {r['mesh']} ({r['ranks']}) | {r['buckets']} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

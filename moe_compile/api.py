@@ -16,6 +16,7 @@ from .compiled import CompiledMoE
 from .errors import MeshError, OptionError, UnsupportedFeatureError
 from .frontend import canonicalize, recognize
 from .frontend.prepare import prepare_for_capture
+from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
 from .options import CompileOptions
 from .program import Program
@@ -74,6 +75,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if groups is not None:
         _broadcast_from_rank0(model)
     blocks = recognize(model)
+    codegen = expert_codegen([s for s, _ in blocks], opts.mxfp8, codegen, opts.codegen)
     if spec.cp > 1:
         for s, _ in blocks:
             if s.router.lb_coef or s.router.z_coef:
@@ -82,6 +84,11 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
                     f"z={s.router.z_coef}) under context parallelism would use one sequence shard's statistics, not "
                     "the whole sequence's; set the coefficients to 0 or use cp=1")
     for s, _ in blocks:
+        if opts.capacity_factor is not None and (s.router.identity_experts or s.router.null_experts):
+            raise UnsupportedFeatureError(
+                f"{s.path}: identity / null experts (tokens routed to them are dispatched with weight 0) with "
+                f"capacity_factor={opts.capacity_factor}: those rows would take capacity from the real ones; "
+                "use capacity_factor=None (dropless)")
         if s.experts.num_experts % spec.ep_mp:
             raise MeshError(
                 f"{s.path}: {s.experts.num_experts} routed experts cannot be split evenly over ep_mp={spec.ep_mp}"
@@ -206,7 +213,7 @@ def dense_weight_stores(model: nn.Module, specs, opts: CompileOptions) -> dict:
     (those stay high-precision)."""
     from .train.fp8_weight_store import FP8WeightStore
 
-    expert = {n for s in specs for n in (s.in_name, s.out_name)}
+    expert = {n for s in specs for n in s.expert_param_names}
     routers = {s.router_weight_name for s in specs}
     shared = tuple(f"{s.path}.{s.shared_attr}.".lstrip(".") for s in specs if s.shared_attr)
     linear = {f"{m}.weight".lstrip(".") for m, mod in model.named_modules() if isinstance(mod, nn.Linear)}
@@ -228,7 +235,7 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 
 def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistributedDataParallel:
-    expert_names = {n for s in program.blocks.values() for n in (s.in_name, s.out_name)}
+    expert_names = {n for s in program.blocks.values() for n in s.expert_param_names}
     dense, expert = [], []
     for name, p in model.named_parameters():
         if program.owned is not None and name not in program.owned:

@@ -11,10 +11,13 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import default_partition
 from torch._guards import detect_fake_mode
 
+from .capture import decompositions
 from .codegen import lower
+from .codegen.dense_fusion import dense_executable
 from .ir import Stage, get_stage, set_stage
 from .passes import FORWARD_PASSES, JOINT_PASSES, PassContext, run_passes
 from .passes.base import normalize_capture, tag_moe_nodes
+from .passes.grad_reduction import place_grad_reduction
 from .passes.mxfp8_casts import apply_mxfp8
 from .passes.plan_leases import build_plan
 from .program import Program
@@ -75,7 +78,10 @@ class MoEBackend:
             prog.records = list(jctx.records)
             joint_plan.append(jctx.lease_plan)
             prog.lease_plans["training"] = jctx.lease_plan
-            return default_partition(joint, joint_inputs, **kw)
+            if prog.options.activation_checkpointing is None:
+                return default_partition(joint, joint_inputs, **kw)
+            from .passes.activation_checkpointing import partition  # what backward recomputes
+            return partition(joint, joint_inputs, prog.options.activation_checkpointing, set(prog.blocks), **kw)
 
         def compiler(kind: str):
             def compile_graph(g: fx.GraphModule, _inputs):
@@ -87,14 +93,16 @@ class MoEBackend:
                     g = apply_mxfp8(g, gctx)
                     gctx.lease_plan = build_plan(g, gctx)
                     prog.lease_plans["inference"] = gctx.lease_plan
+                if kind == "backward":  # bucket all-reduces as nodes, overlapping the backward
+                    g = place_grad_reduction(g, gctx)
                 g = lower(g, gctx, kind)
                 tag_moe_nodes(g, gctx)  # lowering may add nodes (lease ops)
-                prog.graphs[kind] = g
-                return make_boxed_func(g.forward)
+                prog.graphs[kind] = g  # the FX graph for inspection; it runs as dense_executable makes it
+                return make_boxed_func(dense_executable(g, prog).forward)
 
             return compile_graph
 
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-            partition_fn=partition_fn,
+            partition_fn=partition_fn, decompositions=decompositions(),
         )

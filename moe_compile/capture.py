@@ -8,8 +8,11 @@ instance, another stage of the same pipeline — can use up its recompile limit 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
+
+import torch
 
 # Recompiles of one entry (input shapes, train/eval, grad mode) before torch.compile gives up on it;
 # with fullgraph (the default) going past it is a FailOnRecompileLimitHit, never a silent eager run.
@@ -23,3 +26,49 @@ def fresh(fn: types.FunctionType) -> types.FunctionType:
     name = f"{code.co_name}_{next(_ids)}"
     code = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
     return types.FunctionType(code, fn.__globals__, name, None, fn.__closure__)
+
+
+@functools.cache
+def decompositions() -> dict:
+    """Ops aot_autograd decomposes before the joint graph is traced: those whose fake (meta) strides differ
+    from their kernel's, so that a ``view`` the graph holds on their result fails at run time although it
+    traced. ``softplus_backward`` (gated-delta-rule linear attention: Qwen3-Next, Qwen3.5-MoE, Lara): its
+    CPU kernel lays the gradient out like ``grad_output``, its meta like ``self``."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions([torch.ops.aten.softplus_backward])
+
+
+def _forward_lines(cls) -> tuple[str, int, int] | None:
+    """(file, first line, last line) of ``cls.forward``'s own code (decorators unwrapped)."""
+    import inspect
+
+    fn = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    lines = [ln for _, _, ln in code.co_lines() if ln is not None]
+    return code.co_filename, code.co_firstlineno, max(lines, default=code.co_firstlineno)
+
+
+def capture_error(e: BaseException, model: torch.nn.Module) -> BaseException | None:
+    """The UnsupportedFeatureError for a capture that failed on data-dependent Python control flow or
+    shapes in the user's model (a branch, loop or size on tensor values, which one static graph cannot
+    hold), naming the innermost module whose forward holds it; None for any other error."""
+    from torch._dynamo.exc import UserError
+
+    from .errors import UnsupportedFeatureError
+
+    text = str(e)
+    if not (isinstance(e, UserError) and "data-dependent" in text):
+        return None
+    spans: dict[type, tuple | None] = {}
+    for frame in reversed(getattr(e, "real_stack", None) or []):
+        for path, mod in model.named_modules():
+            span = spans.setdefault(type(mod), _forward_lines(type(mod)))
+            if path and span and span[0] == frame.filename and span[1] <= frame.lineno <= span[2]:
+                where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                return UnsupportedFeatureError(
+                    f"{path} ({type(mod).__name__}): data-dependent Python control flow or shapes (`{frame.line}` at "
+                    f"{where}) cannot be captured as one static graph; {text.strip().splitlines()[0]}")
+    return None

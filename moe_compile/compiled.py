@@ -32,9 +32,11 @@ class CompiledMoE(nn.Module):
         self.program = program
         self.groups = groups
         self.ddp = ddp
+        if ddp is not None:  # the compiled backward's reduction nodes reach it by context id
+            ddp.attach(program.ctx_id, program.param_names)
         self._compiled = compiled
         self._expert_names = {
-            name for spec in program.blocks.values() for name in (spec.in_name, spec.out_name)
+            name for spec in program.blocks.values() for name in spec.expert_param_names
         }
         self.pipeline = None  # runtime.pipeline_runtime.PipelineRuntime on a pp > 1 mesh
 
@@ -51,7 +53,15 @@ class CompiledMoE(nn.Module):
             if getattr(out, "loss", None) is not None:
                 out.loss = LossSum.apply(out.loss, self.groups.cp)
             return out
-        return self._compiled(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except Exception as e:
+            from .capture import capture_error
+
+            err = capture_error(e, self.model)
+            if err is None:
+                raise
+            raise err from e
 
     def cp_positions(self, seq: int) -> torch.Tensor:
         """Global positions of this rank's tokens (its logits' sequence order) under context parallelism."""
@@ -126,8 +136,7 @@ class CompiledMoE(nn.Module):
                 continue
             full = self._gather_experts(t)
             for v in views[name]:
-                x = full if v.expert is None else full[v.expert]
-                out[v.original] = (x if v.rows is None else x[..., v.rows[0]: v.rows[1], :]).clone()
+                out[v.original] = v.original_of(full)
         if self.pipeline is not None:  # every stage's tensors, on every rank of the pipeline
             parts: list = [None] * self.program.mesh.pp
             dist.all_gather_object(parts, out, group=self.groups.pp)

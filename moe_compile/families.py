@@ -9,7 +9,10 @@ For each family :func:`check_family` builds a tiny random config (:func:`tiny_fa
 d=64, 8 experts, top-2, vocab 256), runs the dense model and the compiled one on the same batches and
 compares the loss and every gradient (fp32). The outcome is one of:
 
-* ``compiled``: parity within ``tol`` (max relative error of each tensor against its own scale);
+* ``compiled``: parity within ``tol`` (max relative error of each tensor against its own scale), or,
+  for a gradient the fp32 dense model itself does not get to ``tol`` (an ill-conditioned one, e.g. the
+  gated-delta-rule decay ``A_log``: a sum that cancels to 1e-5 of its terms), within ``tol`` of the fp64
+  dense gradient or within 3× the fp32 dense model's own error against it (:func:`_fp64_parity`);
 * ``error``: moe_compile refused it with a :class:`MoECompileError` (the message says why);
 * ``wrong``: it compiled but the loss or a gradient differs;
 * ``crash``: any other exception (from moe_compile, or the tiny config could not be built/run densely:
@@ -98,7 +101,7 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
         model = tiny_family_model(family, **config_overrides)
         paths = tuple(n for n, _ in model.named_modules() if n)
         batches = _batches(world, model.config.get_text_config().vocab_size)
-        ref = copy.deepcopy(model)
+        ref, pristine = copy.deepcopy(model), copy.deepcopy(model)
         ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
         torch.stack(ref_losses).mean().backward()
         ref_grads = _grads(ref)
@@ -128,8 +131,36 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     grad_err = _rel(grads[worst], ref_grads[worst])
     ok = loss_err <= tol and grad_err <= tol
     msg = f"loss err {loss_err:.1e}, grad err {grad_err:.1e} ({worst})"
+    if loss_err <= tol and not ok:
+        ok, note = _fp64_parity(pristine, batches, grads, ref_grads, tol)
+        msg += f"; {note}"
     return result("compiled" if ok else "wrong", msg, loss_err=loss_err, grad_err=grad_err, worst=worst,
                   module_paths=paths)
+
+
+def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: float) -> tuple[bool, str]:
+    """Parity where fp32 itself is too coarse: every gradient that differs from the fp32 dense one by more
+    than ``tol`` must be within ``tol`` of an fp64 run of the dense model, or within 3× the fp32 dense
+    model's own error against it (two fp32 evaluations of one ill-conditioned sum, in different orders,
+    each carry a rounding error of that size)."""
+    try:
+        model = model.double()
+        if hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+        torch.stack([model(input_ids=b, labels=b).loss for b in batches]).mean().backward()
+        exact = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    except Exception as e:  # noqa: BLE001 - no fp64 reference: the fp32 verdict stands
+        return False, f"no fp64 reference ({_first_line(e)})"
+    worst = (0.0, 0.0, "")
+    for n in grads:
+        if _rel(grads[n], ref_grads[n]) <= tol or n not in exact:
+            continue
+        own, dense = _rel(grads[n].double(), exact[n]), _rel(ref_grads[n].double(), exact[n])
+        if own > max(tol, 3 * dense):
+            return False, f"{n}: off by {own:.1e} from fp64, the fp32 dense model by {dense:.1e}"
+        worst = max(worst, (own, dense, n))
+    return True, (f"within fp32's own error ({worst[2]}: off by {worst[0]:.1e} from fp64, the fp32 dense model "
+                  f"by {worst[1]:.1e})")
 
 
 def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1,

@@ -11,6 +11,9 @@ TRANSPORTS = ("auto", "all_to_all", "symmetric")
 CODEGENS = ("auto", "triton", "torch")
 MXFP8_MODES = (None, "experts", "experts+shared", "all")
 MXFP8_SCALE_MODES = ("rceil", "floor")
+DENSE_FUSIONS = ("auto", "inductor", "none")  # see codegen/dense_fusion.py
+GRAD_REDUCTIONS = ("in_graph", "hooks")
+AC_MODES = (None, "selective", "moe", "full")  # see passes/activation_checkpointing.py
 
 
 @dataclass(frozen=True)
@@ -28,14 +31,22 @@ class CompileOptions:
     #                        CPU) | triton (on CPU tensors: the Triton interpreter) | torch
     mxfp8: str | None = None  # which linears run in MXFP8: experts | experts+shared | all
     mxfp8_scale_mode: str = "rceil"  # E8M0 scale rule: rceil (no saturation) | floor (OCP)
+    dense_fusion: str = "auto"  # the dense part of the fwd/bwd graphs compiled with inductor: inductor | none |
+    #                             auto (per device, by measurement: none on CPU, CUDA unmeasured: none; see
+    #                             codegen/dense_fusion.py); moe:: ops, leases and transport stay opaque
     debug_dir: str | None = None  # dump graphs before/after each pass here
     debug_pictures: bool = False  # with debug_dir: also render each dump as SVG (new nodes highlighted)
     fullgraph: bool = True  # the whole model must capture as one graph (lease planning spans layers)
     bucket_mb: float = 25.0  # gradient bucket size
+    grad_reduction: str = "in_graph"  # where bucket all-reduces start: in_graph (nodes of the compiled backward,
+    #                 overlapping it; forwards_in_flight > 1 keeps the hooks) | hooks (autograd hooks after the
+    #                 compiled backward: for parameters also used outside the compiled graph)
     microbatches: int = 1  # m: microbatches of cm.train_step (pipeline schedule, or accumulation at pp=1)
     schedule: str = "1f1b"  # pipeline schedule (torch.distributed.pipelining): gpipe | 1f1b | interleaved_1f1b
     stages_per_rank: int | None = None  # v: pipeline stages per rank (None: 2 for interleaved_1f1b, else 1)
     pp_split: tuple[str, ...] | None = None  # first decoder layer of stages 1..S-1 (None: balance the cost)
+    activation_checkpointing: str | None = None  # recompute in backward: None | selective (elementwise ops,
+    #                     router; GEMM outputs kept) | moe (inside MoE blocks) | full (save layer outputs only)
 
     def __post_init__(self) -> None:
         cf = self.capacity_factor
@@ -48,6 +59,8 @@ class CompileOptions:
             raise OptionError(f"transport={self.transport!r}: supported values are {TRANSPORTS}")
         if self.codegen not in CODEGENS:
             raise OptionError(f"codegen={self.codegen!r}: supported values are {CODEGENS}")
+        if self.dense_fusion not in DENSE_FUSIONS:
+            raise OptionError(f"dense_fusion={self.dense_fusion!r}: supported values are {DENSE_FUSIONS}")
         if self.mxfp8 not in MXFP8_MODES:
             raise OptionError(f"mxfp8={self.mxfp8!r}: supported values are {MXFP8_MODES}")
         if self.mxfp8_scale_mode not in MXFP8_SCALE_MODES:
@@ -65,6 +78,11 @@ class CompileOptions:
             if isinstance(self.pp_split, str) or not all(isinstance(x, str) for x in self.pp_split):
                 raise OptionError(f"pp_split={self.pp_split!r}: must be a list of module paths")
             object.__setattr__(self, "pp_split", tuple(self.pp_split))
+        if self.activation_checkpointing not in AC_MODES:
+            raise OptionError(f"activation_checkpointing={self.activation_checkpointing!r}: supported values are "
+                              f"{AC_MODES}")
+        if self.grad_reduction not in GRAD_REDUCTIONS:
+            raise OptionError(f"grad_reduction={self.grad_reduction!r}: supported values are {GRAD_REDUCTIONS}")
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 

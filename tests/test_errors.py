@@ -10,7 +10,7 @@ from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import MeshError, OptionError, RecognitionError, UnsupportedFeatureError
 from moe_compile.models import MoEFeedForward, TinyMoEConfig
 
-from .common import build_model
+from .common import build_model, make_batches
 from .harness import run_ranks
 
 # -- meshes ----------------------------------------------------------------------------------------
@@ -113,6 +113,29 @@ def test_block_that_computes_something_else_is_rejected():
     model.layers[0].mlp = odd
     with pytest.raises(RecognitionError, match=r"layers\.0\.mlp: recognised as an MoE block .* no supported routing reproduces"):
         moe_compile(model)
+
+
+class DataDependent(nn.Module):
+    """A dense module branching on how many of its inputs are positive (a size read from tensor values)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        if torch.nonzero(x > 0).shape[0] > 3:
+            x = x * 2
+        return self.inner(x)
+
+
+def test_data_dependent_control_flow_names_the_module():
+    model = build_model("tiny")
+    model.layers[0].attn_norm = DataDependent(model.layers[0].attn_norm)
+    cm = moe_compile(model)
+    ids = make_batches(1)[0]
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.attn_norm \(DataDependent\): data-dependent Python "
+                                                      r"control flow .*`if torch\.nonzero"):
+        cm(ids)
 
 
 def test_aux_coefficients_without_aux_output():

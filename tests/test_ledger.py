@@ -17,6 +17,7 @@ import torch
 from moe_compile import MeshSpec, ledger, moe_compile
 from moe_compile.explain import meta_model
 from moe_compile.ledger import LedgerError, evaluate
+from moe_compile.ledger.memory import allocator_peak
 from moe_compile.ledger.symbols import SYMBOLS
 from moe_compile.passes.insert_dispatch_combine import capacity_rows
 
@@ -212,17 +213,6 @@ def test_evaluate_reports_what_it_lacks():
 
 
 # -- 4 CPU ranks: predicted vs measured --------------------------------------------------------------
-
-
-def allocator_peak(prof) -> int:
-    """Peak of the CPU allocator's running total (allocations − frees) over the profiled region."""
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 class count_all_reduce_bytes:

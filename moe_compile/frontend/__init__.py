@@ -41,4 +41,5 @@ def canonicalize(blocks: list[tuple[MoEBlockSpec, Candidate]], ep_size: int, ep_
         w_in, w_out = c.full_weights()
         nl = spec.experts.num_experts // ep_size
         sl = slice(ep_rank * nl, (ep_rank + 1) * nl)
-        install(c.block, spec, w_in[sl].detach().clone(), w_out[sl].detach().clone(), ctx)
+        biases = tuple(b[sl].detach().clone() for b in c.full_biases()) if c.full_biases else None  # shard with experts
+        install(c.block, spec, w_in[sl].detach().clone(), w_out[sl].detach().clone(), ctx, biases)

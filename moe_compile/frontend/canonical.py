@@ -14,13 +14,17 @@ experts). Installation is per instance (``module.forward``), so the modules keep
 hooks, and parameter names stay those of the original model except for re-stacked experts.
 
 Before anything is sharded, the probe runs the block's own forward and the canonical one on the same
-random batch; semantics that attributes leave open (score function, renormalisation, fp32 weights)
-are settled by which candidate reproduces the block, and no match is an error naming the block.
+random batch; semantics that attributes leave open (score function, renormalisation, fp32 weights,
+whether a scaling attribute is the router's, whether the weights scale the expert input, and which
+reading of the expert tensors applies: layout, gate/up order, activation offset) are settled by which
+candidate reproduces the block, and no match is an error naming the block. A block whose router returns
+logits only (DBRX) or whose experts take pre-weighted rows alone (Llama 4) runs in "block" mode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import types
 
@@ -32,6 +36,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.moe)
 from ..errors import MoECompileError, RecognitionError, UnsupportedFeatureError
 from ..models.aux_losses import router_aux_loss
 from .recognize import Candidate
+from .router_input import custom_backward, expert_scaled, router_input, shared_scored_weights
 from .spec import MoEBlockSpec, RouterSpec
 
 PROBE_TOKENS = 48
@@ -61,6 +66,13 @@ def expert_tensors(experts: nn.Module, spec: MoEBlockSpec) -> tuple[torch.Tensor
     return getattr(experts, "gate_up_proj" if spec.experts.gated else "up_proj"), experts.down_proj
 
 
+def expert_biases(experts: nn.Module, spec: MoEBlockSpec) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+    """(b_in, b_out) of experts with biases, () without."""
+    if not spec.experts.bias:
+        return ()
+    return getattr(experts, f"{'gate_up_proj' if spec.experts.gated else 'up_proj'}_bias"), experts.down_proj_bias
+
+
 def _bias(owner: nn.Module, attr: str | None) -> torch.Tensor | None:
     if attr is None:
         return None
@@ -70,26 +82,51 @@ def _bias(owner: nn.Module, attr: str | None) -> torch.Tensor | None:
     return obj
 
 
-def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.Tensor | None):
-    """(logits, weights, idx) of the canonical router for flattened tokens ``x2 [T, d]``."""
+def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.Tensor | None,
+          logits: torch.Tensor | None = None):
+    """(logits, weights, idx) of the canonical router for flattened tokens ``x2 [T, d]`` (or for ``logits``
+    a router network computed); a router that also scores the shared experts (``shared_scored``) returns
+    (routed logits, weights, idx, gammas)."""
     r = spec.router
-    if spec.mode == "block" and isinstance(router, nn.Linear):
+    if logits is None and r.logits_from_forward:
+        raise UnsupportedFeatureError(
+            f"{spec.path}.{spec.router_attr}: a router network's logits come from its own forward, which its block "
+            "must call (the block's forward calls router then experts); this block computes top-k itself")
+    if logits is None and spec.mode == "block" and isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward:
         logits = router(x2)
-    else:  # the router's own weight, or the Linear one level down (router.gate, gate.wg, …)
-        logits = F.linear(x2, _bias(router, r.weight_attr))
+    elif logits is None:  # the router's own weight, or the Linear one level down (router.gate, gate.wg, …)
+        logits = F.linear(router_input(router, r, x2), _bias(router, r.weight_attr), _bias(router, r.logit_bias_attr))
+    if r.shared_scored:  # select among the routed N; renormalise and scale with the shared scores (dense)
+        logits, shared_logits = logits[:, : r.num_experts], logits[:, r.num_experts:]
+        raw, idx = torch.ops.moe.router(
+            logits, bias, r.top_k, r.score_func, False, 1.0, True, spec.path,
+            r.n_group, r.topk_group, r.group_score, r.bias_on,
+        )
+        weights, gammas = shared_scored_weights(router, r, shared_logits, raw)
+        return logits, expert_scaled(router, r, weights, idx), idx, gammas
     weights, idx = torch.ops.moe.router(
         logits, bias, r.top_k, r.score_func, r.renormalize, r.scaling, r.fp32_weights, spec.path,
-        r.n_group, r.topk_group, r.group_score,
+        r.n_group, r.topk_group, r.group_score, r.bias_on,
     )
-    return logits, weights, idx
+    return logits, expert_scaled(router, r, weights, idx), idx
 
 
 def routed(experts: nn.Module, spec: MoEBlockSpec, ctx: int, x2, idx, weights) -> torch.Tensor:
+    """Σ_k w_k·expert_{idx_k}(x). With Z identity experts (indices N..N+Z-1) a row routed to one adds
+    w·x as dense ops and is dispatched to expert idx mod N with weight 0 (an exact no-op contribution)."""
     w_in, w_out = expert_tensors(experts, spec)
     e = spec.experts
-    return torch.ops.moe.routed_experts(
-        x2, idx, weights, w_in, w_out, e.activation, e.gated, e.num_experts, ctx, spec.path
+    identity = None
+    if spec.router.identity_experts or spec.router.null_experts:  # null (skip) experts add nothing
+        zero = idx >= e.num_experts
+        if spec.router.identity_experts:
+            identity = x2 * weights.masked_fill(~zero, 0).sum(-1, keepdim=True).to(x2.dtype)
+        idx, weights = idx.remainder(e.num_experts), weights.masked_fill(zero, 0)
+    y = torch.ops.moe.routed_experts(
+        x2, idx, weights, w_in, w_out, e.op_activation, e.gated, e.num_experts, ctx, spec.path,
+        *expert_biases(experts, spec),
     )
+    return y if identity is None else y + identity
 
 
 # -- installed forwards --------------------------------------------------------------------------
@@ -105,8 +142,13 @@ def _router_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs):
                                    f"{spec.router.bias_attr} but does not pass it to its router")
     else:
         bias = _bias(self, self._moe_bias_attr)
-    out = dict(zip(("logits", "weights", "indices"), route(self, spec, x2, bias), strict=True))
-    return tuple(out[k] for k in spec.router.outputs)
+    logits, extra = None, ()
+    if spec.router.logits_from_forward:  # the router network's own forward, as dense graph code
+        own = type(self).forward(self, hidden, *args, **kwargs)
+        logits = own[spec.router.outputs.index("logits")].reshape(x2.shape[0], -1)
+        extra = tuple(own[len(spec.router.outputs):])  # what it returns after its three (Zaya: the next layer's state)
+    out = dict(zip(("logits", "weights", "indices"), route(self, spec, x2, bias, logits), strict=True))
+    return (*(out[k] for k in spec.router.outputs), *extra)
 
 
 def _experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -117,28 +159,42 @@ def _block_forward(self: nn.Module, hidden: torch.Tensor):
     spec: MoEBlockSpec = self._moe_spec
     shape = hidden.shape
     x2 = hidden.reshape(-1, spec.experts.d_model)
-    logits, weights, idx = route(getattr(self, spec.router_attr), spec, x2, _bias(self, spec.router.bias_attr))
-    y = routed(getattr(self, spec.experts_attr), spec, self._moe_ctx, x2, idx, weights)
+    logits, weights, idx, *gammas = route(getattr(self, spec.router_attr), spec, x2, _bias(self, spec.router.bias_attr))
+    if spec.router.weights_on_input:  # y = Σ_k expert_k(w_k·x): each (token, k) pair is a top-1 row of weight 1
+        t, k = idx.shape
+        xk = x2.unsqueeze(1) * weights.unsqueeze(-1).to(x2.dtype)
+        yk = routed(getattr(self, spec.experts_attr), spec, self._moe_ctx, xk.reshape(t * k, -1),
+                    idx.reshape(t * k, 1), torch.ones_like(weights).reshape(t * k, 1))
+        y = yk.view(t, k, -1).sum(1)
+    else:
+        y = routed(getattr(self, spec.experts_attr), spec, self._moe_ctx, x2, idx, weights)
     if spec.shared_attr:
-        s = getattr(self, spec.shared_attr)(x2)
+        s = getattr(self, spec.shared_attr)(x2, *gammas)  # gammas: the shared experts' route weights, if scored
         if spec.shared_gate_attr:
             s = torch.sigmoid(getattr(self, spec.shared_gate_attr)(x2)) * s
         y = y + s
     y = y.reshape(shape)
+    if spec.returns_logits:
+        return y, logits
     if spec.returns_aux:
         return y, router_aux_loss(logits, idx, spec.router.score_func, spec.router.lb_coef, spec.router.z_coef)
     return y
 
 
-def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: torch.Tensor, ctx: int) -> object:
-    """Install the canonical forward on ``block`` with expert tensors (w_in, w_out); returns a token
-    for :func:`uninstall`. For the fused layout the tensors replace the experts module's own."""
+def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: torch.Tensor, ctx: int,
+            biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> object:
+    """Install the canonical forward on ``block`` with expert tensors (w_in, w_out) and, for experts
+    with biases, (b_in, b_out); returns a token for :func:`uninstall`. For the fused layout the tensors
+    replace the experts module's own (same names, canonical layout)."""
     experts = getattr(block, spec.experts_attr)
     if spec.experts.layout == "fused":
-        saved = expert_tensors(experts, spec)
-        experts.gate_up_proj = _as_param(w_in, saved[0])
-        experts.down_proj = _as_param(w_out, saved[1])
-        token = ("fused", saved)
+        names = ("gate_up_proj" if spec.experts.gated else "up_proj", "down_proj")
+        if spec.experts.bias:
+            names += (f"{names[0]}_bias", "down_proj_bias")
+        saved = tuple(getattr(experts, n) for n in names)
+        for n, t, old in zip(names, (w_in, w_out, *(biases or ())), saved, strict=True):
+            setattr(experts, n, _as_param(t, old))
+        token = ("fused", tuple(zip(names, saved, strict=True)))
     else:
         token = ("module", experts)
         experts = ExpertWeights(w_in, w_out, spec.experts.gated, _frozen_flag(experts, f"{spec.path}.{spec.experts_attr}"))
@@ -166,7 +222,8 @@ def uninstall(block: nn.Module, spec: MoEBlockSpec, token: object) -> None:
     for mod in (block, getattr(block, spec.router_attr), experts):
         mod.__dict__.pop("forward", None)
     if kind == "fused":
-        experts.gate_up_proj, experts.down_proj = saved
+        for n, t in saved:
+            setattr(experts, n, t)
     else:
         setattr(block, spec.experts_attr, saved)
 
@@ -179,6 +236,8 @@ def set_context(block: nn.Module, spec: MoEBlockSpec, ctx: int) -> None:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    if a.shape != b.shape and a.numel() == b.numel():  # [B, S, d] against a block returning [B·S, d]
+        a = a.reshape(b.shape)
     if a.shape != b.shape:
         return False, float("inf")
     tol = 1e-4 if a.dtype == torch.float32 and b.dtype == torch.float32 else 3e-2
@@ -192,6 +251,10 @@ def _split(out: object, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         return out, None
     if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out) and out[1].dim() == 0:
         return out[0], out[1]
+    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
+        # (output, router scores) (gpt-oss; components mode: the block's own forward builds both from ours)
+        # or (output, router logits) (Llama 4; block mode: spec.returns_logits)
+        return out[0], None
     raise RecognitionError(
         f"{where}: forward returns {type(out).__name__}; a MoE block must return a tensor or (tensor, aux_loss scalar)"
     )
@@ -206,18 +269,29 @@ def _probe_router(c: Candidate, gen: torch.Generator):
     router = getattr(c.block, c.router_attr)
     w = _bias(router, c.weight_attr)
     tensors = [w] + ([_bias(c.block, c.bias_attr)] if c.bias_attr else [])
-    saved = [t.detach().clone() for t in tensors]
+    if c.logit_bias_attr:  # a zero router bias would hide whether it is added
+        tensors.append(_bias(router, c.logit_bias_attr))
+    scales = [getattr(router, a) for a in (c.router_extras.get("input_scale_attr"), c.router_extras.get("expert_scale_attr"),
+                                           c.router_extras.get("weight_scale_attr"))
+              if a]  # ones would hide whether (and where) they multiply
+    saved = [t.detach().clone() for t in tensors + scales]
     try:
         with torch.no_grad():
             n, d = w.shape
             w.copy_(torch.randn(n, d, generator=gen).to(w) * (PROBE_LOGIT_STD / d**0.5))
-            if c.bias_attr:
-                tensors[1].copy_(torch.randn(n, generator=gen).to(tensors[1]) * 0.5)
+            for t in tensors[1:]:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t) * 0.5)
+            for t in scales:
+                t.copy_(1 + 0.5 * torch.randn(t.shape, generator=gen).to(t))
         yield
     finally:
         with torch.no_grad():
-            for t, v in zip(tensors, saved, strict=True):
+            for t, v in zip(tensors + scales, saved, strict=True):
                 t.copy_(v)
+
+
+def _returns_logits(out: object) -> bool:
+    return isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and out[1].dim() > 0
 
 
 def _reference(c: Candidate, x: torch.Tensor, mode: str):
@@ -231,7 +305,8 @@ def _reference(c: Candidate, x: torch.Tensor, mode: str):
         own = router.forward
         router.forward = lambda *a, **k: seen.append(own(*a, **k)) or seen[-1]
     try:
-        ref, ref_aux = _split(c.block(x), c.path)
+        raw = c.block(x)
+        ref, ref_aux = _split(raw, c.path)
     except MoECompileError:
         raise
     except Exception as e:  # noqa: BLE001 - the block's own forward needs more than hidden states
@@ -243,17 +318,40 @@ def _reference(c: Candidate, x: torch.Tensor, mode: str):
         router.__dict__.pop("forward", None)
         if saved is not None:
             router.forward = saved
-    return ref, ref_aux, _router_order(c, seen[0]) if seen else ("logits", "weights", "indices")
+    order = _router_order(c, seen[0]) if seen else ("logits", "weights", "indices")
+    return ref, ref_aux, order, mode == "block" and _returns_logits(raw)
 
 
-def _router_order(c: Candidate, out: object) -> tuple[str, str, str]:
+def _pair(c: Candidate, x2: torch.Tensor, order: tuple[str, str, str] | None = None):
+    """(experts(x2, router(x2)), the router's output order): router then experts as a components-mode
+    block calls them, for a block whose own forward needs more than hidden states (Gemma 4's decoder
+    layer holds the router and experts beside its attention)."""
+    try:
+        out = getattr(c.block, c.router_attr)(x2)
+        order = order or _router_order(c, out)
+        got = dict(zip(order, out, strict=True))
+        return getattr(c.block, c.experts_attr)(x2, got["indices"], got["weights"]), order
+    except MoECompileError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise RecognitionError(f"{c.path}: router then experts fail on a probe batch ({type(e).__name__})") from e
+
+
+def _router_order(c: Candidate, out: object) -> tuple[str, ...]:
     where = f"{c.path}.{c.router_attr}"
+    if c.router_extras.get("logits_from_forward") and isinstance(out, tuple) and len(out) > 3:
+        out = out[:3]  # a router network's further outputs (state for the next layer) pass through
+    if (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+            and sorted(t.is_floating_point() for t in out) == [False, True]):
+        return tuple("weights" if t.is_floating_point() else "indices" for t in out)  # no logits (LongCat-Flash)
     if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
         kind = type(out).__name__ if not isinstance(out, tuple) else f"a {len(out)}-tuple"
         raise UnsupportedFeatureError(
-            f"{where}: the router returns {kind}; a router module must return (logits, weights, indices) in some "
-            "order (a router returning logits only, with top-k in the block's forward, is not supported)")
-    n, k = c.experts.num_experts, c.top_k
+            f"{where}: the router returns {kind}; a router module must return (logits, weights, indices) or "
+            "(weights, indices) in some order (a router returning logits only, with top-k in the block's "
+            "forward, is not supported)")
+    n = c.experts.num_experts + c.router_extras.get("identity_experts", 0) + c.router_extras.get("null_experts", 0)
+    k = c.top_k
     ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
     logits = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape[-1] == n]
     weights = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape[-1] == k]
@@ -266,43 +364,87 @@ def _router_order(c: Candidate, out: object) -> tuple[str, str, str]:
     return tuple(order[i] for i in range(3))
 
 
+def _experts_take_hidden_only(c: Candidate) -> bool:
+    """The experts module's own forward takes the hidden states alone (Llama 4 runs every expert on
+    pre-weighted rows), so the block cannot call a canonical experts(x, idx, weights): "block" mode."""
+    ex = getattr(c.block, c.experts_attr)
+    if type(ex).forward is nn.Module.forward or isinstance(ex, nn.ModuleList):
+        return False
+    kinds = [p.kind for p in inspect.signature(ex.forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return kinds in ([inspect.Parameter.POSITIONAL_ONLY], [inspect.Parameter.POSITIONAL_OR_KEYWORD])
+
+
+def _router_returns_logits_only(c: Candidate, x: torch.Tensor) -> bool:
+    try:
+        return isinstance(getattr(c.block, c.router_attr)(x), torch.Tensor)
+    except Exception:  # noqa: BLE001 - a router needing more than hidden states: the probe reports it
+        return False
+
+
 def settle(c: Candidate) -> MoEBlockSpec:
-    """Fix the routing semantics of a candidate by the probe (or from attributes alone on meta)."""
-    mode = "components" if c.router_kind == "hf" else "block"
-    w_in, w_out = c.full_weights()
-    base = dict(
-        path=c.path, index=0, mode=mode, router_attr=c.router_attr, experts_attr=c.experts_attr,
-        experts=c.experts, shared_attr=c.shared_attr, shared_gate_attr=c.shared_gate_attr,
-        shared_hidden=c.shared_hidden, param_views=c.views,
-    )
-
+    """Fix the routing semantics (and which reading of the experts applies) of a candidate by the
+    probe, or from attributes alone on meta; the candidate keeps the expert reading that matched."""
+    mode = "components" if c.router_kind == "hf" and not _experts_take_hidden_only(c) else "block"
+    if c.router_extras.get("shared_scored"):  # its router returns the shared gammas too: the block's forward is ours
+        mode = "block"
     outputs = ("logits", "weights", "indices")
+    returns_logits = False
 
-    def spec_for(sf: str, rn: bool, fp: bool, returns_aux: bool, checked: bool) -> MoEBlockSpec:
-        r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, c.scaling, fp, c.bias_attr, c.lb_coef, c.z_coef,
-                       *c.groups, weight_attr=c.weight_attr, outputs=outputs)
-        return MoEBlockSpec(router=r, returns_aux=returns_aux, checked=checked, **base)
+    def spec_for(v, o: tuple, returns_aux: bool, checked: bool) -> MoEBlockSpec:
+        scaling, on_input, sf, rn, fp, bias_on = o
+        r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, scaling, fp, c.bias_attr, c.lb_coef, c.z_coef,
+                       *c.groups, weight_attr=c.weight_attr, outputs=outputs, logit_bias_attr=c.logit_bias_attr,
+                       weights_on_input=on_input, bias_on=bias_on, **c.router_extras)
+        return MoEBlockSpec(
+            path=c.path, index=0, mode=mode, router_attr=c.router_attr, experts_attr=c.experts_attr,
+            experts=v.experts, shared_attr=c.shared_attr, shared_gate_attr=c.shared_gate_attr,
+            shared_hidden=c.shared_hidden, param_views=v.views, router=r, returns_aux=returns_aux,
+            returns_logits=returns_logits, checked=checked,
+        )
 
-    options = list(itertools.product(c.score_funcs, c.renorms, c.fp32_options))
+    def options() -> list[tuple]:
+        # a scaling attribute on the block may be the block's own multiply in its forward (MiniMax-M3), not
+        # the router's; in "block" mode the weights may scale the expert input, not its output (Llama 4).
+        # The attribute readings come first: a block they reproduce settles as before these alternatives.
+        scalings = (c.scaling, 1.0) if mode == "components" and c.scaling != 1.0 else (c.scaling,)
+        on_inputs = (False, True) if mode == "block" else (False,)
+        bias_ons = ("scores", "logits") if c.bias_attr else ("scores",)  # where the correction bias is added
+        return list(itertools.product(scalings, on_inputs, c.score_funcs, c.renorms, c.fp32_options, bias_ons))
+
+    variants = c.expert_variants()
+    w_in, _ = c.full_weights()
     if w_in.is_meta:
-        sf, rn, fp = options[0]
-        return spec_for(sf, rn, fp, c.lb_coef > 0 or c.z_coef > 0, checked=False)
+        return spec_for(variants[0], options()[0], c.lb_coef > 0 or c.z_coef > 0, checked=False)
     block = c.block
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
     with torch.no_grad(), _probe_router(c, gen):
-        ref, ref_aux, outputs = _reference(c, x, mode)
+        if mode == "components" and _router_returns_logits_only(c, x):
+            mode = "block"  # (DBRX) top-k is in the block's forward: the canonical forward replaces it
+        try:
+            ref, ref_aux, outputs, returns_logits = _reference(c, x, mode)
+            probe = lambda: block(x)  # noqa: E731
+        except RecognitionError as own_fails:
+            if mode != "components" or isinstance(own_fails, UnsupportedFeatureError):
+                raise
+            try:  # a decoder layer holding router and experts: probe the pair
+                (ref, outputs), ref_aux, returns_logits = _pair(c, x[0]), None, False
+            except RecognitionError:
+                raise own_fails from None
+            probe = lambda: _pair(c, x[0], outputs)[0]  # noqa: E731
         if ref_aux is None and (c.lb_coef or c.z_coef):
             raise RecognitionError(
                 f"{c.path}: has auxiliary-loss coefficients (lb={c.lb_coef}, z={c.z_coef}) but its forward returns no "
                 "aux loss; return (output, aux_loss) so the compiled block can reproduce it"
             )
         errors = []
-        for sf, rn, fp in options:
-            spec = spec_for(sf, rn, fp, ref_aux is not None, checked=True)
-            token = install(block, spec, w_in, w_out, ctx=0)
+        for v, o in itertools.product(variants, options()):
+            spec = spec_for(v, o, ref_aux is not None, checked=True)
+            w_in, w_out = v.full_weights()
+            token = install(block, spec, w_in, w_out, 0, v.full_biases() if v.full_biases else None)
             try:
-                out, aux = _split(block(x), c.path)
+                out, aux = _split(probe(), c.path)
             except MoECompileError:
                 raise
             except Exception as e:  # the canonical form met an interface it does not model
@@ -318,9 +460,16 @@ def settle(c: Candidate) -> MoEBlockSpec:
                 ok, aerr = _close(aux, ref_aux)
                 err = max(err, aerr)
             if ok:
+                c.use(v)
                 return spec
             errors.append((err, spec))
     err, best = min(errors, key=lambda e: e[0])
+    fn = custom_backward(getattr(block, c.router_attr), c.experts.d_model)
+    if fn is not None:  # name the feature the probe could not reproduce
+        raise UnsupportedFeatureError(
+            f"{c.path}.{c.router_attr}: the router computes its weights through a custom autograd Function ({fn}) "
+            "with a backward of its own (e.g. PhiMoE's sparsemixer gradient estimator, sampled in training); "
+            f"no supported routing reproduces it (probe: closest relative error {err:.2e})")
     raise RecognitionError(
         f"{c.path}: recognised as an MoE block ({best.describe()}), but no supported routing reproduces its "
         f"output on a probe batch (closest: relative error {err:.2e}); the block computes something the compiler "

@@ -3,9 +3,14 @@
 A MoE block is a module with an ``experts`` child and a router child (``gate``/``router``…) whose
 weight is ``[num_experts, d_model]``. The experts are one of:
 
-* fused 3-D tensors ``gate_up_proj [N, 2h, d]`` and ``down_proj [N, d, h]`` (transformers 5.x);
+* fused 3-D tensors ``gate_up_proj [N, 2h, d]`` and ``down_proj [N, d, h]`` (transformers 5.x), or
+  input-major ``[N, d, 2h]`` / ``[N, h, d]``, ungated ``up_proj``, with optional ``*_bias`` tensors;
 * an ``nn.ModuleList`` of N identical FFNs (SwiGLU: gate/up/down Linears; or two-layer up/down);
-* stacked 3-D parameters ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` shaped ``[N, out, in]``.
+* stacked 3-D parameters ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj`` shaped ``[N, out, in]``;
+* experts flattened into 2-D rows ``[N·h, d]`` (DBRX's ``experts.mlp.w1/v1/w2``).
+
+Every reading is re-laid out to the canonical ``w_in [N, F, d]`` ([gate; up] rows), ``w_out [N, d, h]``
+at canonicalisation; ParamViews map canonical tensors back to the original names and layouts.
 
 Which routing semantics apply (score function, renormalisation, fp32 weights) is read from
 attributes; what attributes leave open is settled by the probe in :mod:`.canonical`.
@@ -20,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import RecognitionError, UnsupportedFeatureError
+from .router_input import config_top_k, router_extras, shared_scored
 from .spec import ExpertsSpec, ParamView
 from .structure import (
     BIAS_ATTRS,
@@ -36,8 +42,13 @@ from .structure import (
     ffn_shape,
     find_activation,
     first_attr,
+    fused_activations,
     group_routing,
+    identity_experts,
+    null_experts,
     router_inputs,
+    router_logit_bias,
+    router_network,
     router_of,
     unsupported_router_features,
 )
@@ -70,32 +81,109 @@ class Candidate:
     shared_hidden: int = 0
     groups: tuple[int, int, str] = (1, 1, "top2_sum")  # (n_group, topk_group, group score)
     weight_attr: str = "weight"  # the router's [N, d] weight inside the router module
+    logit_bias_attr: str | None = None  # the router Linear's own bias (inside the router module)
+    router_extras: dict = field(default_factory=dict)  # RouterSpec input norm/scale, per-expert scale
     notes: list[str] = field(default_factory=list)
+    full_biases: Weights | None = None  # canonical expert biases (b_in [N, F], b_out [N, d]), if any
+    alternatives: tuple[ExpertVariant, ...] = ()  # other readings of the experts, for the probe to try
+
+    def expert_variants(self) -> list[ExpertVariant]:
+        return [ExpertVariant(self.experts, self.views, self.full_weights, self.full_biases), *self.alternatives]
+
+    def use(self, v: ExpertVariant) -> None:
+        """Keep the reading the probe settled on."""
+        self.experts, self.views, self.full_weights, self.full_biases = v.experts, v.views, v.full_weights, v.full_biases
 
 
-def _fused(path: str, ex: nn.Module, n: int, d: int, ea: str = "experts") -> tuple[ExpertsSpec, tuple[ParamView, ...], Weights] | None:
-    gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
-    if not (isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3):
+@dataclass
+class ExpertVariant:
+    """One reading of a block's experts (layout, activation) that the probe may try."""
+
+    experts: ExpertsSpec
+    views: tuple[ParamView, ...]
+    full_weights: Weights
+    full_biases: Weights | None = None
+
+
+def _fused_layouts(where: str, wi: torch.Tensor, dn: torch.Tensor, n: int, d: int, f_mult: int, name: str,
+                   dead: int = 0):
+    """[(input_major, h)]: output-major wi [N, F, d], dn [N, d, h] (transformers' usual) and/or
+    input-major wi [N, d, F], dn [N, h, d] (Llama 4, Aria, gpt-oss); both when the shapes allow both.
+    With ``dead`` identity experts, wi may hold them too, unused, after the N (LongCat-Flash)."""
+    if not (wi.shape[0] in (n, n + dead) and n == dn.shape[0]):
+        raise UnsupportedFeatureError(
+            f"{where}: the router scores {n} experts but {name} / down_proj hold {wi.shape[0]} / {dn.shape[0]} (a router "
+            "that also scores shared experts, or experts beyond the routed ones, is not supported)")
+    out = []
+    if dn.shape[1] == d and wi.shape[2] == d and wi.shape[1] == f_mult * dn.shape[2]:
+        out.append((False, dn.shape[2]))
+    if dn.shape[2] == d and wi.shape[1] == d and wi.shape[2] == f_mult * dn.shape[1]:
+        out.append((True, dn.shape[1]))
+    if not out:
+        raise RecognitionError(
+            f"{where}: {name} {tuple(wi.shape)} and down_proj {tuple(dn.shape)} fit neither [N, F, d] / [N, d, h] "
+            f"(output-major) nor [N, d, F] / [N, h, d] (input-major) with N={n}, d={d}, F={'2h' if f_mult == 2 else 'h'}")
+    return out
+
+
+def _fused_variant(path, ea, wi, dn, biases, spec_args, input_major: bool, interleaved: bool) -> ExpertVariant:
+    """Canonical tensors of one reading: w_in [N, F, d] = [gate; up] rows, w_out [N, d, h], biases [N, F], [N, d]."""
+    name = "gate_up_proj" if spec_args[4] else "up_proj"
+    dead = wi.shape[0] - spec_args[0]  # unused experts after the N (LongCat-Flash's identity experts)
+    wi = wi[: spec_args[0]].detach() if dead else wi
+
+    def canon_in(t: torch.Tensor) -> torch.Tensor:  # [N, F, …] rows (gate/up alternating → [gate; up])
+        return torch.cat([t[:, 0::2], t[:, 1::2]], 1) if interleaved else t
+
+    def weights():
+        if not (input_major or interleaved):
+            return wi, dn
+        w_in = canon_in(wi.transpose(1, 2) if input_major else wi)
+        w_out = dn.transpose(1, 2) if input_major else dn
+        return w_in.detach().contiguous(), w_out.detach().contiguous()
+
+    views = [ParamView(f"{path}.{ea}.{name}", f"{path}.{ea}.{name}", None, transpose=input_major, interleaved=interleaved,
+                       dead_experts=dead),
+             ParamView(f"{path}.{ea}.down_proj", f"{path}.{ea}.down_proj", None, transpose=input_major)]
+    bias_fn = None
+    if biases is not None:
+        bi, bo = biases
+        views += [ParamView(f"{path}.{ea}.{name}_bias", f"{path}.{ea}.{name}_bias", None, interleaved=interleaved),
+                  ParamView(f"{path}.{ea}.down_proj_bias", f"{path}.{ea}.down_proj_bias", None)]
+        bias_fn = (lambda: (bi, bo)) if not interleaved else (lambda: (canon_in(bi).detach().contiguous(), bo))
+    return ExpertVariant(ExpertsSpec(*spec_args), tuple(views), weights, bias_fn)
+
+
+def _fused(path: str, ex: nn.Module, n: int, d: int, ea: str = "experts", dead: int = 0) -> list[ExpertVariant] | None:
+    """Fused 3-D experts: gated ``gate_up_proj`` or ungated ``up_proj``, with ``down_proj``, optional
+    ``*_bias`` [N, F] / [N, d]; output- or input-major; gate/up halves or alternating columns. Every
+    reading the shapes and attributes allow, most likely first: the probe keeps the first that
+    reproduces the block."""
+    gated = isinstance(getattr(ex, "gate_up_proj", None), nn.Parameter)
+    name = "gate_up_proj" if gated else "up_proj"
+    wi, dn = getattr(ex, name, None), getattr(ex, "down_proj", None)
+    if not (isinstance(wi, nn.Parameter) and isinstance(dn, nn.Parameter) and wi.dim() == 3 and dn.dim() == 3):
         return None
     where = f"{path}.{ea}"
-    extra = [name for name, _ in ex.named_parameters() if name not in ("gate_up_proj", "down_proj")]
+    bias_names = (f"{name}_bias", "down_proj_bias")
+    extra = [p for p, _ in ex.named_parameters() if p not in (name, "down_proj", *bias_names)]
     if extra:
-        raise UnsupportedFeatureError(f"{where}: expert parameters {extra} (e.g. biases) are not supported")
-    if gu.shape[0] != n or gu.shape[2] != d or gu.shape[1] % 2:
-        if gu.shape[1] == d:
-            raise UnsupportedFeatureError(
-                f"{where}.gate_up_proj has shape {tuple(gu.shape)} ([N, d, 2h], input-major); only [N, 2h, d] is supported"
-            )
-        raise RecognitionError(f"{where}.gate_up_proj shape {tuple(gu.shape)} does not fit N={n}, d={d}")
-    h = gu.shape[1] // 2
-    if tuple(dn.shape) != (n, d, h):
-        raise RecognitionError(f"{where}.down_proj shape {tuple(dn.shape)} is not [N={n}, d={d}, h={h}]")
-    spec = ExpertsSpec(n, d, h, find_activation((ex,), where), True, "fused")
-    views = (
-        ParamView(f"{path}.{ea}.gate_up_proj", f"{path}.{ea}.gate_up_proj", None),
-        ParamView(f"{path}.{ea}.down_proj", f"{path}.{ea}.down_proj", None),
-    )
-    return spec, views, lambda: (gu, dn)
+        raise UnsupportedFeatureError(f"{where}: expert parameters {extra} are not supported")
+    bi, bo = (getattr(ex, b, None) for b in bias_names)
+    if (bi is None) != (bo is None):
+        raise UnsupportedFeatureError(f"{where}: one expert bias without the other ({bias_names}) is not supported")
+    variants = []
+    for input_major, h in _fused_layouts(where, wi, dn, n, d, 2 if gated else 1, name, dead):
+        f = 2 * h if gated else h
+        if bi is not None and (tuple(bi.shape), tuple(bo.shape)) != ((n, f), (n, d)):
+            raise RecognitionError(f"{where}: expert biases {bias_names} have shapes {tuple(bi.shape)}, "
+                                   f"{tuple(bo.shape)}; expected [{n}, {f}], [{n}, {d}]")
+        for act, params in fused_activations(ex, where):
+            for interleaved in (False, True) if gated else (False,):
+                args = (n, d, h, act, gated, "fused", params, bi is not None)
+                variants.append(_fused_variant(path, ea, wi, dn, (bi, bo) if bi is not None else None, args,
+                                               input_major, interleaved))
+    return variants
 
 
 def _module_list(path: str, ex: nn.Module, n: int, d: int, ea: str = "experts"):
@@ -166,6 +254,44 @@ def _stacked(path: str, ex: nn.Module, block: nn.Module, n: int, d: int, ea: str
     return None
 
 
+FLAT_TRIPLES = (("w1", "v1", "w2"),) + GATED_TRIPLES
+
+
+def _flat_stacked(path: str, ex: nn.Module, n: int, d: int, ea: str = "experts"):
+    """Experts flattened into 2-D rows, held by the experts module or one child (DBRX's ``experts.mlp``):
+    gate and up ``[N·h, d]``, down ``[N·h, d]`` (input-major) or ``[N·d, h]`` (output-major)."""
+    for prefix, holder in (("", ex), *((f"{k}.", m) for k, m in ex.named_children())):
+        params = dict(holder.named_parameters(recurse=False))
+        group = next((g for g in FLAT_TRIPLES if set(params) == set(g) and all(params[k].dim() == 2 for k in g)), None)
+        if group is None:
+            continue
+        where = f"{path}.{ea}{'.' + prefix[:-1] if prefix else ''}"
+        g, u, dn = (params[k] for k in group)
+        if g.shape[0] % n or g.shape[1] != d or u.shape != g.shape:
+            raise RecognitionError(f"{where}: flattened expert weights {group} of shapes "
+                                   f"{[tuple(p.shape) for p in (g, u, dn)]} do not split into {n} experts of width d={d}")
+        h = g.shape[0] // n
+        if tuple(dn.shape) == (n * h, d):
+            input_major = True
+        elif tuple(dn.shape) == (n * d, h):
+            input_major = False
+        else:
+            raise RecognitionError(f"{where}.{group[2]}: shape {tuple(dn.shape)} is neither [N·h, d] nor [N·d, h]")
+        name = f"{path}.{ea}.{prefix}"
+        canon_in, canon_out = f"{path}.{ea}.gate_up_proj", f"{path}.{ea}.down_proj"
+        views = (ParamView(name + group[0], canon_in, None, (0, h), flat=True),
+                 ParamView(name + group[1], canon_in, None, (h, 2 * h), flat=True),
+                 ParamView(name + group[2], canon_out, None, transpose=input_major, flat=True))
+
+        def weights(g=g, u=u, dn=dn, h=h, input_major=input_major):
+            w_out = dn.view(n, h, d).transpose(1, 2) if input_major else dn.view(n, d, h)
+            return torch.cat([g.view(n, h, d), u.view(n, h, d)], 1).detach(), w_out.detach().contiguous()
+
+        spec = ExpertsSpec(n, d, h, find_activation((holder, ex), where), True, "stacked")
+        return spec, views, weights
+    return None
+
+
 def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str | None = None) -> Candidate:
     """Read the MoE block at ``path``: its experts child ``experts_attr`` and its router (the child
     ``router_attr``, or found by name)."""
@@ -173,37 +299,58 @@ def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str 
     router_attr, router, weight_attr = router_of(block, where, router_attr)
     weight = router.get_parameter(weight_attr) if weight_attr != "weight" else router.weight
     n, d = weight.shape
+    network = router_network(weight_attr)  # its own forward gives the logits; its input, the hidden states
+    if network:
+        d = next(m for m in router.modules() if isinstance(m, nn.Linear)).in_features
     ex = getattr(block, experts_attr)
+    # a router whose last S rows score the shared experts (Inkling): the experts hold the first N
+    scored = shared_scored(block, router, ex, next((getattr(block, s) for s in SHARED_NAMES
+                                                    if isinstance(getattr(block, s, None), nn.Module)), None), n)
+    n -= scored.get("shared_scored", 0)
+    zero = identity_experts((ex, block, router), n, where)  # scored after the N routed ones (LongCat-Flash)
+    n -= zero  # the experts hold the N routed ones; router-side shapes are N + zero
+    null = 0 if zero or scored else null_experts(ex, n, where)  # skip classes after them (Zaya)
+    n -= null
+    zero_null = zero + null
     unsupported_router_features(block, router, where)
     router_inputs(router, f"{where}.{router_attr}")
-    found = (_fused(where, ex, n, d, experts_attr) or _module_list(where, ex, n, d, experts_attr)
-             or _stacked(where, ex, block, n, d, experts_attr))
+    fused = _fused(where, ex, n, d, experts_attr, zero)
+    found = (_module_list(where, ex, n, d, experts_attr) or _stacked(where, ex, block, n, d, experts_attr)
+             or _flat_stacked(where, ex, n, d, experts_attr) if fused is None else fused)
     if found is None:
         raise RecognitionError(
-            f"{where}.{experts_attr}: expert weights not understood: expected fused 3-D gate_up_proj/down_proj, "
-            "an nn.ModuleList of FFNs, or stacked 3-D w1/w3/w2 (or gate_proj/up_proj/down_proj) parameters"
+            f"{where}.{experts_attr}: expert weights not understood: expected fused 3-D gate_up_proj (or up_proj) "
+            "/ down_proj, an nn.ModuleList of FFNs, or stacked 3-D w1/w3/w2 (or gate_proj/up_proj/down_proj) parameters"
         )
-    experts, views, weights = found
+    variants = found if isinstance(found, list) else [ExpertVariant(*found)]
+    experts, views, weights, biases = (variants[0].experts, variants[0].views, variants[0].full_weights,
+                                       variants[0].full_biases)
     mods = (block, router)
     _, k = first_attr(mods, TOPK_ATTRS)
-    if not isinstance(k, int) or not 1 <= k <= n:
-        raise RecognitionError(f"{where}: top-k not understood (attributes {TOPK_ATTRS} give {k!r}; need 1..{n})")
+    k_in_config = k is None and config_top_k(router, block) is not None  # Gemma 4: router.config.top_k_experts
+    k = config_top_k(router, block) if k_in_config else k
+    if not isinstance(k, int) or not 1 <= k <= n + zero_null:
+        raise RecognitionError(f"{where}: top-k not understood (attributes {TOPK_ATTRS} give {k!r}; need 1..{n + zero_null})")
     # a Linear subclass with its own forward (PhiMoE) returns more than logits: probe it as a module
     plain_linear = isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward
     router_kind = "linear" if plain_linear else "hf"
-    if router_kind == "hf" and not isinstance(getattr(router, "top_k", None), int):
-        raise RecognitionError(f"{where}.{router_attr}: a non-Linear router must expose top_k")
+    if router_kind == "hf" and not k_in_config and not any(isinstance(getattr(m, "top_k", None), int) for m in mods):
+        raise RecognitionError(f"{where}.{router_attr}: a non-Linear router (or its block) must expose top_k")
     _, sf = first_attr(mods, SCORE_ATTRS)
     if sf is not None and sf not in ("softmax", "sigmoid"):
         raise UnsupportedFeatureError(f"{where}: router score function {sf!r} is not supported (softmax, sigmoid)")
+    if scored and sf not in (None, "sigmoid"):
+        raise UnsupportedFeatureError(f"{where}: a {sf} router that also scores the shared experts is not supported "
+                                      "(sigmoid scores only)")
     _, rn = first_attr(mods, RENORM_ATTRS)
     bias_attr = None
     for m, prefix in ((block, ""), (router, f"{router_attr}.")):
         for b in BIAS_ATTRS:
             t = getattr(m, b, None)
             if isinstance(t, torch.Tensor):
-                if t.shape != (n,):
-                    raise UnsupportedFeatureError(f"{where}: score-correction bias {prefix}{b} has shape {tuple(t.shape)}, not [{n}]")
+                if t.shape != (n + zero_null,):
+                    raise UnsupportedFeatureError(f"{where}: score-correction bias {prefix}{b} has shape {tuple(t.shape)}, "
+                                                  f"not [{n + zero_null}]")
                 bias_attr = prefix + b
     _, scaling = first_attr(mods, SCALING_ATTRS)
     _, lb = first_attr((block,), LB_ATTRS)
@@ -231,18 +378,24 @@ def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str 
         views=views,
         full_weights=weights,
         top_k=k,
-        score_funcs=(sf,) if sf else ("softmax", "sigmoid"),
+        score_funcs=(sf,) if sf else ("sigmoid",) if scored else ("softmax", "sigmoid"),
         renorms=(bool(rn),) if rn is not None else (False, True),
         fp32_options=(False, True) if router_kind == "hf" else (False,),
         bias_attr=bias_attr,
-        groups=group_routing(block, router, n, k, where),
+        groups=group_routing(block, router, n + zero_null, k, where),
         weight_attr=weight_attr,
+        logit_bias_attr=None if network else router_logit_bias(router, weight_attr, n + zero_null, f"{where}.{router_attr}"),
+        router_extras={**(router_extras(router, n + zero_null, d) if weight_attr != "weight" and not network else {}),
+                       **scored, **({"identity_experts": zero} if zero else {}), **({"null_experts": null} if null else {}),
+                       **({"logits_from_forward": True} if network else {})},
         scaling=float(scaling) if scaling is not None else 1.0,
         lb_coef=float(lb or 0.0),
         z_coef=float(z or 0.0),
         shared_attr=shared_attr,
         shared_gate_attr=gate_attr,
         shared_hidden=shared_hidden,
+        full_biases=biases,
+        alternatives=tuple(variants[1:]),
     )
 
 

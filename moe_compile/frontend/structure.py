@@ -23,10 +23,11 @@ SHARED_GATE_NAMES = ("shared_expert_gate", "shared_gate")
 TOPK_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k")
 SCORE_ATTRS = ("score_func", "scoring_func", "score_function")
 RENORM_ATTRS = ("norm_topk_prob", "renormalize", "normalize_topk")
-BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "score_correction_bias")
-SCALING_ATTRS = ("routed_scaling_factor", "route_scale")
+BIAS_ATTRS = ("e_score_correction_bias", "expert_bias", "score_correction_bias", "balancing_biases")
+SCALING_ATTRS = ("routed_scaling_factor", "route_scale", "router_scaling_factor")
 LB_ATTRS = ("lb_coef", "load_balancing_coef", "aux_loss_coef")
 Z_ATTRS = ("z_coef", "z_loss_coef", "router_z_loss_coef")
+ZERO_EXPERT_ATTRS = ("zero_expert_num", "num_zero_experts", "n_zero_experts")
 ACT_ATTRS = ("act_fn", "act", "activation", "activation_fn")
 GATED_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("wi_0", "wi_1", "wo"))
 PLAIN_PAIRS = (("up_proj", "down_proj"), ("fc1", "fc2"), ("w1", "w2"), ("c_fc", "c_proj"), ("wi", "wo"))
@@ -59,11 +60,13 @@ def activation_name(act: object, where: str) -> str:
         "GELUTanh": "gelu_tanh",
         "PytorchGELUTanh": "gelu_tanh",
         "NewGELUActivation": "gelu_tanh",
+        "ReLUSquaredActivation": "relu2",
     }
     if cls in known and not getattr(act, "use_gelu_python", False):
         return known[cls]
     raise UnsupportedFeatureError(
-        f"{where}: activation {act!r} is not supported for routed experts (supported: SiLU, GELU, GELU-tanh, ReLU)"
+        f"{where}: activation {act!r} is not supported for routed experts (supported: SiLU, GELU, GELU-tanh, ReLU, ReLU², "
+        "clamped and softcapped SwiGLU)"
     )
 
 
@@ -80,6 +83,31 @@ def find_activation(mods: tuple[nn.Module, ...], where: str) -> str:
     if act is None:
         raise RecognitionError(f"{where}: no expert activation found (looked for attributes {ACT_ATTRS})")
     return activation_name(act, f"{where}.{name}")
+
+
+LIMIT_ATTRS = ("limit", "swiglu_limit")
+ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+Activation = tuple[str, tuple[tuple[str, float], ...]]  # (name, parameters) as in ExpertsSpec
+
+
+def fused_activations(ex: nn.Module, where: str) -> list[Activation]:
+    """The candidate activations of fused 3-D experts, most likely first (the probe picks):
+
+    * an ``act_fn`` module with ``gate_softcap``/``up_softcap`` children (Inkling 2): softcapped SwiGLU;
+    * no ``act_fn`` but a SwiGLU limit attribute (gpt-oss, MiniMax-M3, HY-V4): clamped SwiGLU
+      (u + offset)·g·σ(α·g); the attributes give α (1 if absent) and the limit, not the offset;
+    * otherwise the activation module/function, as for any FFN."""
+    act = getattr(ex, "act_fn", None)
+    caps = [getattr(getattr(act, n, None), "softcap", None) for n in ("gate_softcap", "up_softcap")]
+    if isinstance(act, nn.Module) and all(isinstance(c, int | float) for c in caps):
+        return [("softcap_swiglu", (("gate_cap", float(caps[0])), ("up_cap", float(caps[1]))))]
+    _, limit = first_attr((ex,), LIMIT_ATTRS)
+    if act is None and isinstance(limit, int | float):
+        _, alpha = first_attr((ex,), ALPHA_ATTRS)
+        offsets = (1.0, 0.0) if alpha is not None else (0.0, 1.0)
+        alpha = float(alpha) if isinstance(alpha, int | float) else 1.0
+        return [("clamped_swiglu", (("alpha", alpha), ("limit", float(limit)), ("up_offset", o))) for o in offsets]
+    return [(find_activation((ex,), where), ())]
 
 
 @dataclass
@@ -123,6 +151,19 @@ def _weight_2d(m: object) -> bool:
     return isinstance(m, nn.Module) and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
 
 
+def router_network(weight_attr: str) -> bool:
+    """The router weight path names the last Linear of a small network (Zaya's router: a projection, an MLP),
+    not the router's own weight or one Linear one level down: the router's own forward gives the logits."""
+    return weight_attr.count(".") >= 2 or (weight_attr != "weight" and weight_attr.split(".")[0] not in INNER_ROUTER_NAMES)
+
+
+def null_experts(ex: nn.Module, n: int, path: str) -> int:
+    """Z skip classes a router scores after the experts' own ``num_experts`` (Zaya's skip expert: rows routed to
+    one add nothing); 0 when the router scores as many as the experts hold."""
+    k = getattr(ex, "num_experts", None)
+    return n - k if isinstance(k, int) and 0 < k < n else 0
+
+
 def router_of(block: nn.Module, path: str, name: str | None = None) -> tuple[str, nn.Module, str]:
     """(child name, router module, path of its [N, d] weight inside it): the weight is the router's own
     (``gate.weight``) or one level down, in a Linear inside the router module (``router.gate``,
@@ -137,20 +178,37 @@ def router_of(block: nn.Module, path: str, name: str | None = None) -> tuple[str
         if not isinstance(r, nn.Module):
             continue
         inner = next((i for i in INNER_ROUTER_NAMES if _weight_2d(getattr(r, i, None))), None)
-        if inner is not None:
-            if getattr(getattr(r, inner), "bias", None) is not None:
-                raise UnsupportedFeatureError(f"{path}.{n}.{inner}: router bias is not supported")
+        if inner is not None:  # a bias of that Linear is read by router_logit_bias
             return n, r, f"{inner}.weight"
         kids = [k for k, _ in r.named_children()]
+        linears = [k for k, m in r.named_modules() if k and isinstance(m, nn.Linear)]
+        if kids and linears and type(r).forward is not nn.Module.forward:
+            return n, r, f"{linears[-1]}.weight"  # a router network: its last Linear gives the logits
         if kids:
+            extra = [p for p in list(inspect.signature(r.forward).parameters)[1:] if p not in ("args", "kwargs")]
+            takes = f"; its forward also takes {extra} (state beyond the hidden states)" if extra else ""
             raise UnsupportedFeatureError(
                 f"{path}.{n}: the router is a small network (children {kids}), not one Linear [num_experts, "
-                f"d_model]; MLP routers are not supported (looked for a Linear named {INNER_ROUTER_NAMES})"
+                f"d_model]; MLP routers are not supported (looked for a Linear named {INNER_ROUTER_NAMES}){takes}"
             )
     raise RecognitionError(
         f"{path}: has experts but no router: expected a child {names} with a 2-D weight [num_experts, d_model] "
         f"(its own, or in a Linear child {INNER_ROUTER_NAMES})"
     )
+
+
+def router_logit_bias(router: nn.Module, weight_attr: str, n: int, path: str) -> str | None:
+    """Path (inside the router) of a bias beside the router's [N, d] weight (``bias`` or ``gate.bias``):
+    the logits are x Wᵀ + b."""
+    attr = weight_attr.rsplit(".", 1)[0] + ".bias" if "." in weight_attr else "bias"
+    obj = router
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, torch.Tensor):
+        return None
+    if tuple(obj.shape) != (n,):
+        raise UnsupportedFeatureError(f"{path}.{attr}: router bias of shape {tuple(obj.shape)}, not [{n}]")
+    return attr
 
 
 def router_inputs(router: nn.Module, path: str) -> None:
@@ -191,10 +249,22 @@ def group_routing(block: nn.Module, router: nn.Module, n: int, k: int, path: str
     return (g, tg, score)
 
 
+def identity_experts(mods: tuple[nn.Module, ...], n: int, path: str) -> int:
+    """Z, the zero-computation (identity) experts the router scores after the routed ones (LongCat-Flash's
+    ``zero_expert_num``): a row routed to one adds weight·x. 0 when the modules declare none."""
+    name, z = first_attr(mods, ZERO_EXPERT_ATTRS)
+    if z is None or z == 0:
+        return 0
+    if not isinstance(z, int) or not 0 < z < n:
+        raise UnsupportedFeatureError(f"{path}: {name}={z!r} identity experts of the {n} the router scores "
+                                      f"is not understood (need 1..{n - 1})")
+    return z
+
+
 def unsupported_router_features(block: nn.Module, router: nn.Module, path: str) -> None:
     """Raise for router features that change routing in ways the canonical router does not model."""
     mods = (block, router)
-    name, jitter = first_attr(mods, ("jitter_noise", "router_jitter_noise"))
+    name, jitter = first_attr(mods, ("jitter_noise", "router_jitter_noise", "moe_jitter_eps"))
     if isinstance(jitter, float | int) and jitter > 0:
         raise UnsupportedFeatureError(
             f"{path}: router jitter noise ({name}={jitter}) is not supported: set it to 0 before compiling"
@@ -205,5 +275,28 @@ def unsupported_router_features(block: nn.Module, router: nn.Module, path: str) 
             f"{path}: the block implements its own capacity ({name}={cf}); remove it and pass "
             "moe_compile(..., capacity_factor=...) instead"
         )
-    if not isinstance(router, nn.Linear) and isinstance(getattr(router, "bias", None), torch.Tensor):
-        raise UnsupportedFeatureError(f"{path}: router bias on a non-Linear router is not supported")
+
+
+def expert_codegen(specs, mxfp8: str | None, codegen: str, requested: str) -> str:
+    """The codegen that carries every block's expert features ("torch" or "triton"), or a clear error.
+    Expert biases run on the torch grouped FFN only (not in the MXFP8 path, not in Triton kernels);
+    the Triton kernels implement the plain activations (silu, gelu, gelu_tanh, relu); the MXFP8 torch
+    path takes every activation. codegen="auto" falls back to torch where Triton does not carry them."""
+    from ..ops.activations import is_plain
+
+    for s in specs:
+        e = s.experts
+        where = f"{s.path}.{s.experts_attr}"
+        if e.bias and mxfp8:
+            raise UnsupportedFeatureError(f"mxfp8={mxfp8!r} with expert biases is not supported: {where} "
+                                          "(compile without mxfp8)")
+        if codegen != "triton":
+            continue
+        feature = "expert biases" if e.bias else None if is_plain(e.op_activation) else \
+            f"the expert activation {e.op_activation} (Triton kernels: silu, gelu, gelu_tanh, relu)"
+        if feature and requested == "auto":
+            return "torch"
+        if feature:
+            raise UnsupportedFeatureError(f"codegen='triton' with {feature} is not supported: {where} "
+                                          "(use codegen='torch' or 'auto')")
+    return codegen

@@ -228,6 +228,8 @@ def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | Non
     if graph_mem is not None:
         add("M_saved", graph_mem.saved_bytes, "bytes", "working", "activations the forward keeps for backward "
             "(all layers, one micro-batch)", "graph")
+        add("N_recomputed", graph_mem.recomputed, "ops", "working", "forward ops the backward recomputes "
+            "(activation_checkpointing; 0 without)", "graph")
         add("M_saved_moe_graph", sum(graph_mem.saved_moe_bytes.values()), "bytes", "working",
             "of those, produced by MoE ops (compare M_saved_moe)", "graph")
         add("M_grads_transient", graph_mem.grad_bytes, "bytes", "working",

@@ -10,6 +10,8 @@ once. The model follows how the compiled program runs:
               argument list; see ``saved_until_end``); the gradients it returns are live together
               at its end, before autograd accumulates them into ``.grad``
     high-water = the most bytes live at any node, beyond parameters and inputs
+    checkpointing (CompileOptions.activation_checkpointing) changes the graphs, not this model: the
+              forward saves less, and the backward's recomputed ops are ordinary nodes of its graph
 
 Kernel-internal temporaries (inside one op) are not graph values and are not counted. Under the
 symmetric transport the rows dispatch and combine_backward write live in the lease pools' symmetric
@@ -41,6 +43,7 @@ class GraphMemory:
     backward_high_water: int
     grad_bytes: int  # gradients the backward graph returns together
     profile: list[tuple[str, int]] = field(default_factory=list, compare=False)  # (graph:node, live bytes)
+    recomputed: int = 0  # forward ops the backward graph recomputes (activation checkpointing)
 
     @property
     def high_water(self) -> int:
@@ -182,4 +185,32 @@ def graph_memory(forward: fx.GraphModule, backward: fx.GraphModule | None, saved
     grad_bytes = sum({_key(t): _nbytes(t) for a in b_out for t in _tensors(a.meta.get("val"))
                       if _key(t) not in external}.values())
     profile = fsim.profile + [(k, v + base) for k, v in bsim.profile]
-    return GraphMemory(saved_bytes, dict(by_role), output_bytes, fsim.peak, bsim.peak + base, grad_bytes, profile)
+    return GraphMemory(saved_bytes, dict(by_role), output_bytes, fsim.peak, bsim.peak + base, grad_bytes, profile,
+                       recomputed=recomputed_ops(forward, backward))
+
+
+def recomputed_ops(forward: fx.GraphModule, backward: fx.GraphModule) -> int:
+    """Ops the backward graph recomputes: copies of forward ops (the partitioner keeps their names) that
+    compute floating-point values. Views, masks and assertions (which the partitioner may duplicate
+    without any checkpointing) are left out."""
+    import operator
+
+    def computes(n: fx.Node) -> bool:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and any(r.alias_info is not None for r in schema.returns):
+            return False  # a view
+        return n.target is not operator.getitem and any(t.is_floating_point() for t in _tensors(n.meta.get("val")))
+
+    fwd = {n.name for n in forward.graph.nodes if n.op == "call_function"}
+    return sum(1 for n in backward.graph.nodes if n.op == "call_function" and n.name in fwd and computes(n))
+
+
+def allocator_peak(prof) -> int:  # prof: a torch.profiler.profile(profile_memory=True) that ran
+    """Peak of the CPU allocator's running total (allocations − frees) over the profiled region."""
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak

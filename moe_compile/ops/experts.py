@@ -5,7 +5,7 @@ Shapes (T tokens on this rank, K = top_k, R = T·K routed rows, N experts, L loc
 cap = receive capacity, d = d_model, h = h_e, F = 2h for gated (SwiGLU) FFNs else h)::
 
     permute       x[T,d], idx[T,K]            → xs[R,d] (expert order), order[R], counts[N]
-    grouped_ffn   recv[cap,d], counts[L], w_in[L,F,d], w_out[L,d,h] → out[cap,d], pre[cap,F]
+    grouped_ffn   recv[cap,d], counts[L], w_in[L,F,d], w_out[L,d,h] (, b_in[L,F], b_out[L,d]) → out[cap,d], pre[cap,F]
     unpermute     back[R,d], order[R], weights[T,K] → y[T,d] = Σ_k weights[t,k] · back[row(t,k)]
 
 Rows past the valid prefix of a capacity-sized buffer are never read; their contents are unspecified
@@ -94,8 +94,11 @@ def unpermute_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g_rows = grad_y.index_select(0, order // weights.shape[1])
     ws = _sorted_weights(weights, order)
-    g_back = (g_rows * ws).to(back.dtype)
-    g_ws = (g_rows.to(ws.dtype) * back.to(ws.dtype)).sum(-1)
+    # per-row dots as a batched GEMM, and the weighting in place when the dtypes allow: no [R, d]
+    # temporaries beyond g_rows (on CPU each fresh [R, d] buffer costs page faults, not only bandwidth)
+    g_ws = torch.bmm(g_rows.to(ws.dtype).unsqueeze(1), back.to(ws.dtype).unsqueeze(2)).view(-1)
+    same = g_rows.dtype == back.dtype == torch.promote_types(g_rows.dtype, ws.dtype)
+    g_back = g_rows.mul_(ws) if same else (g_rows * ws).to(back.dtype)
     g_w = torch.zeros_like(weights).reshape(-1).index_copy_(0, order, g_ws.to(weights.dtype))
     return g_back, g_w.view_as(weights)
 
@@ -120,11 +123,22 @@ def _unpermute_bwd(ctx, grad_y):
 unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup)
 
 # -- grouped expert FFN over the valid prefix ---------------------------------------------------
+# Optional expert biases (gpt-oss): b_in [L, F] added to the first GEMM's rows, b_out [L, d] to the
+# second's, each row taking its expert's bias (rows are in expert order: counts[e] rows of expert e).
 
 
-def _ffn_rows(x, counts, w_in, w_out, activation, gated):
+def _bias_rows(b: torch.Tensor | None, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
+    return None if b is None else b.repeat_interleave(counts, dim=0, output_size=rows)
+
+
+def _ffn_rows(x, counts, w_in, w_out, activation, gated, b_in=None, b_out=None):
     pre = grouped_mm(x, w_in.transpose(-2, -1), counts)
-    return grouped_mm(ffn_activation(pre, activation, gated), w_out.transpose(-2, -1), counts), pre
+    if b_in is not None:
+        pre = pre + _bias_rows(b_in, counts, x.shape[0])
+    out = grouped_mm(ffn_activation(pre, activation, gated), w_out.transpose(-2, -1), counts)
+    if b_out is not None:
+        out = out + _bias_rows(b_out, counts, x.shape[0])
+    return out, pre
 
 
 @torch.library.custom_op("moe::grouped_ffn", mutates_args=())
@@ -136,11 +150,13 @@ def grouped_ffn(
     activation: str,
     gated: bool,
     block: str,
+    b_in: torch.Tensor | None = None,
+    b_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     valid = int(counts.sum())
     if not valid:
         return recv.new_empty(recv.shape[0], w_out.shape[1]), recv.new_empty(recv.shape[0], w_in.shape[1])
-    o, p = _ffn_rows(recv[:valid], counts, w_in, w_out, activation, gated)
+    o, p = _ffn_rows(recv[:valid], counts, w_in, w_out, activation, gated, b_in, b_out)
     return _pad_rows(o, recv.shape[0]), _pad_rows(p, recv.shape[0])
 
 
@@ -154,8 +170,21 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @grouped_ffn.register_fake
-def _(recv, counts, w_in, w_out, activation, gated, block):
+def _(recv, counts, w_in, w_out, activation, gated, block, b_in=None, b_out=None):
     return recv.new_empty(recv.shape[0], w_out.shape[1]), recv.new_empty(recv.shape[0], w_in.shape[1])
+
+
+def _ffn_backward_rows(grad_out, recv, pre, counts, w_in, w_out, activation, gated):
+    """(g_recv [cap, d], g_w_in, g_w_out, g_pre [valid, F], valid) of the grouped FFN; valid > 0."""
+    valid = int(counts.sum())
+    go, x, p = grad_out[:valid], recv[:valid], pre[:valid]
+    g_a = grouped_mm(go, w_out, counts)
+    a, act_gate = ffn_activation_parts(p, activation, gated)
+    g_w_out = grouped_mm(go.t(), a, counts)
+    g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
+    g_recv = _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
+    g_w_in = grouped_mm(g_pre.t(), x, counts)
+    return g_recv, g_w_in, g_w_out, g_pre
 
 
 @torch.library.custom_op("moe::grouped_ffn_backward", mutates_args=())
@@ -170,17 +199,9 @@ def grouped_ffn_backward(
     gated: bool,
     block: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    valid = int(counts.sum())
-    if not valid:
+    if not int(counts.sum()):
         return torch.empty_like(recv), torch.zeros_like(w_in), torch.zeros_like(w_out)
-    go, x, p = grad_out[:valid], recv[:valid], pre[:valid]
-    g_a = grouped_mm(go, w_out, counts)
-    a, act_gate = ffn_activation_parts(p, activation, gated)
-    g_w_out = grouped_mm(go.t(), a, counts)
-    g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
-    g_recv = _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
-    g_w_in = grouped_mm(g_pre.t(), x, counts)
-    return g_recv, g_w_in, g_w_out
+    return _ffn_backward_rows(grad_out, recv, pre, counts, w_in, w_out, activation, gated)[:3]
 
 
 @grouped_ffn_backward.register_fake
@@ -188,17 +209,58 @@ def _(grad_out, recv, pre, counts, w_in, w_out, activation, gated, block):
     return torch.empty_like(recv), torch.empty_like(w_in), torch.empty_like(w_out)
 
 
+def _segment_sum(g: torch.Tensor, counts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-expert sums of rows in expert order: [L, cols] (the gradient of a per-expert bias)."""
+    experts = torch.arange(counts.shape[0], device=g.device).repeat_interleave(counts, output_size=g.shape[0])
+    return torch.zeros_like(like).index_add_(0, experts, g.to(like.dtype))
+
+
+@torch.library.custom_op("moe::grouped_ffn_biased_backward", mutates_args=())
+def grouped_ffn_biased_backward(
+    grad_out: torch.Tensor,
+    recv: torch.Tensor,
+    pre: torch.Tensor,
+    counts: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    b_in: torch.Tensor,
+    b_out: torch.Tensor,
+    activation: str,
+    gated: bool,
+    block: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grouped_ffn_backward with the expert biases' gradients (a separate op: bias-free graphs and the
+    Triton / MXFP8 twins of grouped_ffn_backward keep their schema)."""
+    valid = int(counts.sum())
+    if not valid:
+        zeros = (torch.zeros_like(t) for t in (w_in, w_out, b_in, b_out))
+        return (torch.empty_like(recv), *zeros)
+    g_recv, g_w_in, g_w_out, g_pre = _ffn_backward_rows(grad_out, recv, pre, counts, w_in, w_out, activation, gated)
+    return g_recv, g_w_in, g_w_out, _segment_sum(g_pre, counts, b_in), _segment_sum(grad_out[:valid], counts, b_out)
+
+
+@grouped_ffn_biased_backward.register_fake
+def _(grad_out, recv, pre, counts, w_in, w_out, b_in, b_out, activation, gated, block):
+    return tuple(torch.empty_like(t) for t in (recv, w_in, w_out, b_in, b_out))
+
+
 def _ffn_setup(ctx, inputs, output):
-    recv, counts, w_in, w_out, activation, gated, block = inputs
-    ctx.save_for_backward(recv, output[1], counts, w_in, w_out)
+    recv, counts, w_in, w_out, activation, gated, block, b_in, b_out = inputs
+    biases = (b_in, b_out) if b_in is not None else ()
+    if (b_in is None) != (b_out is None):
+        raise ValueError(f"{block}: grouped_ffn takes both expert biases or neither")
+    ctx.save_for_backward(recv, output[1], counts, w_in, w_out, *biases)
     ctx.cfg = (activation, gated, block)
     ctx.mark_non_differentiable(output[1])
 
 
 def _ffn_bwd(ctx, g_out, _g_pre):
-    recv, pre, counts, w_in, w_out = ctx.saved_tensors
+    recv, pre, counts, w_in, w_out, *biases = ctx.saved_tensors
+    if biases:
+        g = torch.ops.moe.grouped_ffn_biased_backward(g_out, recv, pre, counts, w_in, w_out, *biases, *ctx.cfg)
+        return g[0], None, g[1], g[2], None, None, None, g[3], g[4]
     g_recv, g_w_in, g_w_out = torch.ops.moe.grouped_ffn_backward(g_out, recv, pre, counts, w_in, w_out, *ctx.cfg)
-    return g_recv, None, g_w_in, g_w_out, None, None, None
+    return g_recv, None, g_w_in, g_w_out, None, None, None, None, None
 
 
 grouped_ffn.register_autograd(_ffn_bwd, setup_context=_ffn_setup)
@@ -230,34 +292,41 @@ def routed_experts(
     num_experts: int,
     ctx: int,
     block: str,
+    b_in: torch.Tensor | None = None,
+    b_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _local_only(ctx, block, w_in, num_experts)
     xs, order, counts = permute(x, idx, num_experts, block)
-    out, _ = grouped_ffn(xs, counts, w_in, w_out, activation, gated, block)
+    out, _ = grouped_ffn(xs, counts, w_in, w_out, activation, gated, block, b_in, b_out)
     return unpermute(out, order, weights, block)
 
 
 @routed_experts.register_fake
-def _(x, idx, weights, w_in, w_out, activation, gated, num_experts, ctx, block):
+def _(x, idx, weights, w_in, w_out, activation, gated, num_experts, ctx, block, b_in=None, b_out=None):
     return torch.empty_like(x)
 
 
 def _re_setup(ctx, inputs, output):
-    x, idx, weights, w_in, w_out, activation, gated, num_experts, _ctx, block = inputs
-    ctx.save_for_backward(x, idx, weights, w_in, w_out)
+    x, idx, weights, w_in, w_out, activation, gated, num_experts, _ctx, block, b_in, b_out = inputs
+    ctx.save_for_backward(x, idx, weights, w_in, w_out, *((b_in, b_out) if b_in is not None else ()))
     ctx.cfg = (activation, gated, num_experts, block)
 
 
 def _re_bwd(ctx, grad_y):
     # Eager-only path (the compiled program never keeps this node): recompute, then run the mirrors.
-    x, idx, weights, w_in, w_out = ctx.saved_tensors
+    x, idx, weights, w_in, w_out, *biases = ctx.saved_tensors
     activation, gated, n, block = ctx.cfg
     xs, order, counts = permute(x, idx, n, block)
-    out, pre = grouped_ffn(xs, counts, w_in, w_out, activation, gated, block)
+    out, pre = grouped_ffn(xs, counts, w_in, w_out, activation, gated, block, *biases)
     g_out, g_w = unpermute_backward(grad_y, out, order, weights, block)
-    g_xs, g_w_in, g_w_out = grouped_ffn_backward(g_out, xs, pre, counts, w_in, w_out, activation, gated, block)
+    g_b = (None, None)
+    if biases:
+        g_xs, g_w_in, g_w_out, *g_b = grouped_ffn_biased_backward(
+            g_out, xs, pre, counts, w_in, w_out, *biases, activation, gated, block)
+    else:
+        g_xs, g_w_in, g_w_out = grouped_ffn_backward(g_out, xs, pre, counts, w_in, w_out, activation, gated, block)
     g_x = permute_backward(g_xs, order, x.shape[0], idx.shape[1], block)
-    return g_x, None, g_w, g_w_in, g_w_out, None, None, None, None, None
+    return g_x, None, g_w, g_w_in, g_w_out, None, None, None, None, None, *g_b
 
 
 routed_experts.register_autograd(_re_bwd, setup_context=_re_setup)

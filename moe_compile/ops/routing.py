@@ -1,7 +1,8 @@
 """moe::router — scores, top-k selection and route weights of one MoE block.
 
     scores  = softmax(logits) | sigmoid(logits)            (in fp32)
-    select  = scores + bias                                (bias: selection only, DeepSeek-V3 style)
+    select  = scores + bias | logits + bias                (bias: selection only; added to the scores
+                                                            (DeepSeek-V3) or to the logits (Kolibri))
     groups  = topk over n_group groups of select, scored by their top-2 sum | max   (n_group > 1)
     idx     = topk(select outside the chosen groups = −inf, K)
     weights = scores[idx] (/ Σ_k scores[idx] if renormalize) · scaling
@@ -62,9 +63,12 @@ def router(
     n_group: int = 1,
     topk_group: int = 1,
     group_score: str = "top2_sum",
+    bias_on: str = "scores",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _scores(logits, score_func)
-    select = scores if bias is None else scores + bias.float()
+    if bias_on not in ("scores", "logits"):
+        raise ValueError(f"unknown bias_on {bias_on!r}; supported: scores, logits")
+    select = scores if bias is None else (logits.float() if bias_on == "logits" else scores) + bias.float()
     if n_group > 1:
         select = group_mask(select, n_group, topk_group, group_score)
     idx = torch.topk(select, top_k, dim=-1).indices
@@ -74,7 +78,7 @@ def router(
 
 @router.register_fake
 def _(logits, bias, top_k, score_func, renormalize, scaling, fp32_weights, block, n_group=1, topk_group=1,
-      group_score="top2_sum"):
+      group_score="top2_sum", bias_on="scores"):
     t = logits.shape[0]
     wd = torch.float32 if fp32_weights else logits.dtype
     return logits.new_empty(t, top_k, dtype=wd), logits.new_empty(t, top_k, dtype=torch.int64)
@@ -123,7 +127,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_w, _grad_idx):
     logits, idx = ctx.saved_tensors
     g = torch.ops.moe.router_backward(grad_w, logits, idx, *ctx.cfg)
-    return g, None, None, None, None, None, None, None, None, None, None
+    return (g,) + (None,) * 11
 
 
 router.register_autograd(_backward, setup_context=_setup)

@@ -25,6 +25,7 @@ _ROLES = {
     "local_layout": Role.DISPATCH,
     "grouped_ffn": Role.EXPERT_FFN,
     "grouped_ffn_mx": Role.EXPERT_FFN,
+    "grouped_ffn_biased": Role.EXPERT_FFN,  # its backward: grouped_ffn_biased_backward (expert biases)
     "combine": Role.COMBINE,
     "unpermute": Role.UNPERMUTE,
     "quantize_mx": Role.CAST,

@@ -83,8 +83,10 @@ def insert_dispatch_combine(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             recv, rcounts, layout = items(
                 call(moe.dispatch.default, (xs, counts, a["ctx"], block, cap, prog.ep_size)), 3
             )
+            biases = (op_arg(node, "b_in"), op_arg(node, "b_out"))  # expert biases, sharded with their experts
             out = items(call(moe.grouped_ffn.default,
-                             (recv, rcounts, a["w_in"], a["w_out"], a["activation"], a["gated"], block)), 1)[0]
+                             (recv, rcounts, a["w_in"], a["w_out"], a["activation"], a["gated"], block)
+                             + (biases if biases[0] is not None else ())), 1)[0]
             back = call(moe.combine.default, (out, layout, a["ctx"], block, rows))
             y = call(moe.unpermute.default, (back, order, a["weights"], block))
         for n in new:

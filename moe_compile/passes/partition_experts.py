@@ -7,6 +7,7 @@ experts [r·L, (r+1)·L); dense parameters (router, attention, shared expert) re
         shard = ExpertShard(N, M_E, r)                 # same rule on every rank
         check N % M_E == 0
         check the expert-weight inputs are [L, F, d] and [L, d, h]   # the runtime holds only its shard
+        check the expert biases (if any) are [L, F] and [L, d]        # sharded with their experts
         node.meta[moe] = MoENodeMeta(role=routed_experts, shard=shard)
 
 Requires DENSE, ensures DENSE (with shards).
@@ -38,4 +39,10 @@ def partition_experts(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"{spec.path}: expert weights reach the graph as {got_in}, {got_out}, but rank {prog.ep_rank} of "
                 f"ep_mp={prog.ep_size} must hold its shard {want_in}, {want_out}{user_line(n)}"
             )
+        if e.bias:  # expert biases shard with their experts: rows [r·L, (r+1)·L)
+            b_in, b_out = op_arg(n, "b_in"), op_arg(n, "b_out")
+            got = (val_shape(b_in), val_shape(b_out)) if b_in is not None and b_out is not None else None
+            if got != ((nl, e.in_rows), (nl, e.d_model)):
+                raise IRError(f"{spec.path}: expert biases reach the graph as {got}, but rank {prog.ep_rank} of "
+                              f"ep_mp={prog.ep_size} must hold its shard {(nl, e.in_rows)}, {(nl, e.d_model)}{user_line(n)}")
     return gm

@@ -115,7 +115,7 @@ def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[s
     routed = {}
     for s in blocks:  # routed experts: only K of N run per token
         frac = s.router.top_k / s.experts.num_experts
-        for name in (s.in_name, s.out_name):
+        for name in s.expert_param_names:
             routed[name] = frac
     costs = [_layer_cost(layers[i], f"{path}.{i}", routed) for i in range(n)]
     order = [name for name, _ in model.named_modules()]

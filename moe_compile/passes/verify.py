@@ -22,7 +22,7 @@ from .base import PassContext, moe_nodes, op_arg, user_line
 
 PARTITIONED_OPS = ("permute", "dispatch", "grouped_ffn", "combine", "unpermute")
 EXPERT_WEIGHT_USERS = {"grouped_ffn", "grouped_ffn_backward", "routed_experts", "grouped_ffn_mx",
-                       "grouped_ffn_backward_mx", "weight_cache"}
+                       "grouped_ffn_backward_mx", "grouped_ffn_biased_backward", "weight_cache"}
 
 
 def verify(gm: fx.GraphModule, ctx: PassContext, after: str) -> None:

@@ -7,7 +7,7 @@ Both families end as the gradient of the mean of the data-parallel ranks' losses
 as a *mean* over their group, so gradients that were already reduced (accumulated over steps without
 zeroing) stay unchanged by a later reduction. Dense: mean over dp·cp. An expert shard's local
 gradient sums the tokens of its whole EP-MP group, so incoming expert gradients are pre-scaled by
-1/ep_mp (a tensor hook, before accumulation) and then averaged over ep_dp: (1/ep_dp)·Σ(1/ep_mp)·Σ = 1/(dp·cp)·Σ.
+1/ep_mp (before accumulation: a tensor hook, or the graph node) and then averaged over ep_dp: (1/ep_dp)·Σ(1/ep_mp)·Σ = 1/(dp·cp)·Σ.
 
 Gradients live in flat persistent buckets (one per family and gradient dtype, split at
 ``bucket_bytes``); ``main_grad(p)`` is a parameter's view into its bucket, the optimizer-facing
@@ -17,30 +17,55 @@ gradient. Two modes:
     grad_dtype = float32 for BF16 params: each post-accumulate hook adds p.grad into the FP32 bucket
                  and drops p.grad, so accumulation over microbatches and the reduction run in FP32.
 
-A bucket's all-reduce starts (async) as soon as all its gradients are accumulated, in bucket order on
-every rank (collectives must match across ranks); the end-of-backward callback starts the rest and
-waits. Under a fully captured graph the compiled backward returns all gradients at once, so the
-overlap is with the tail of the backward that autograd still runs (AccumulateGrad, hooks), not with
-the compiled region itself.
+A bucket's all-reduce starts (async) as soon as all its gradients are in, in bucket order on every
+rank (collectives must match across ranks). Two ways the gradients come in:
+
+    in graph (default; passes/grad_reduction.py): the compiled backward itself adds each gradient
+        into its bucket (``graph_ready``, a moe_ddp:: node right after the bucket's last gradient is
+        produced) and waits for the reductions before it returns (``graph_finish``); it returns None
+        for these parameters, so autograd never accumulates them. ``claim`` re-buckets by the
+        backward's production order, so buckets fill (and their all-reduces start) one after another
+        while the backward still computes.
+    hooks (``grad_reduction="hooks"``, or parameters no compiled backward claimed): post-accumulate
+        hooks mark gradients ready; the end-of-backward callback starts the rest and waits. Under a
+        captured graph all gradients arrive when the compiled backward returns: little overlap.
+
+Once a compiled backward claimed parameters, a gradient reaching any parameter through autograd
+outside it under sync raises (its bucket may already be reduced); models with parameters used outside
+the compiled graph compile with ``grad_reduction="hooks"``.
 
 Gradient accumulation over m microbatches: run the first m−1 backwards under ``no_sync()``; the
 last one reduces the accumulated total once.
 
-A backward that raises never runs its end-of-backward callback (autograd drops queued callbacks), so
-the reduction state is keyed by autograd's graph-task id: the first hook of a new backward finds the
-state of an abandoned one, waits for its in-flight reductions and starts afresh. That step's gradients
-are partial, as in plain PyTorch; ``zero_grad()`` before the next step discards them.
+A backward that raises never runs its end-of-backward callback (autograd drops queued callbacks) nor
+the graph's finish node, so the reduction state is keyed by autograd's graph-task id: the first hook
+or graph node of a new backward (or ``zero_grad``) finds the state of an abandoned one, waits for its
+in-flight reductions and starts afresh. That step's gradients are partial, as in plain PyTorch;
+``zero_grad()`` before the next step discards them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from ..errors import RuntimeFault
+
+# ctx_id → the reducer of that program (graph nodes carry ints; see attach)
+_REDUCERS: weakref.WeakValueDictionary[int, MultiGroupDistributedDataParallel] = weakref.WeakValueDictionary()
+
+
+def reducer(ctx_id: int) -> MultiGroupDistributedDataParallel:
+    try:
+        return _REDUCERS[ctx_id]
+    except KeyError:
+        raise RuntimeFault(f"no gradient reducer for runtime context {ctx_id} (was the CompiledMoE released?)") from None
 
 
 @dataclass
@@ -98,25 +123,34 @@ class MultiGroupDistributedDataParallel:
         self.buckets: list[GradBucket] = []
         self._where: dict[int, tuple[GradBucket, int]] = {}
         self._sync = True
-        self._task: int | None = None  # graph-task id of the backward whose end callback is queued
+        self._task: int | None = None  # graph-task id of the backward whose reductions are in flight
         self._next = 0
+        # in-graph reduction: stable slot per parameter (graph nodes name parameters by slot)
+        self.slots = [p for fam in families for p in fam.params if p.requires_grad]
+        self._slot_of = {id(p): k for k, p in enumerate(self.slots)}
+        self._pre_scale = [fam.pre_scale for fam in families for p in fam.params if p.requires_grad]
+        self._names: list[str] = [f"parameter {k}" for k in range(len(self.slots))]
+        self._rank: dict[int, int] = {}  # slot → position in the compiled backwards' production order
+        self._claimed: set[int] = set()  # slots some compiled backward reduces in graph
+        self._reduced_task: int | None = None  # graph task whose in-graph reduction already finished
         self._build_buckets(grad_dtype)
-        for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._hook)
-        for fam in families:
-            if fam.pre_scale != 1.0:
-                for p in fam.params:
-                    if p.requires_grad:
-                        p.register_hook(lambda g, s=fam.pre_scale: g * s)
+        self._arrived = [False] * len(self.slots)  # a defined gradient reached the slot through autograd
+        with torch.enable_grad():  # each parameter's AccumulateGrad node, held so that autograd keeps it
+            self._acc = [p.view_as(p).grad_fn.next_functions[0][0] for p in self.slots]
+        for k, p in enumerate(self.slots):
+            p.register_hook(self._grad_hook(k))
+            p.register_post_accumulate_grad_hook(self._hook)
 
     def _build_buckets(self, grad_dtype: torch.dtype | None) -> None:
         old = {id(p): b.view(i).clone() for b in self.buckets for i, p in enumerate(b.params)}
         self.grad_dtype = grad_dtype
         self.buckets, self._where = [], {}
+        last = len(self._rank)  # parameters no compiled backward produced: after the rest, in reverse
         for fam in self.families:
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in reversed([p for p in fam.params if p.requires_grad]):  # backward order, roughly
+            params = list(reversed([p for p in fam.params if p.requires_grad]))  # backward order, roughly
+            params.sort(key=lambda p: self._rank.get(self._slot_of[id(p)], last))  # stable: production order
+            for p in params:
                 by_dtype.setdefault(grad_dtype or p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 chunk: list[nn.Parameter] = []
@@ -129,6 +163,8 @@ class MultiGroupDistributedDataParallel:
                         chunk, size = [], 0
                 if chunk:
                     self._add_bucket(fam, dtype, chunk)
+        if self._rank:  # bucket order = the order the compiled backward completes them in
+            self.buckets.sort(key=lambda b: max(self._rank.get(self._slot_of[id(p)], last) for p in b.params))
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 if id(p) in old:  # re-bucketing: carry the accumulated gradient over
@@ -172,12 +208,31 @@ class MultiGroupDistributedDataParallel:
                     p.grad = None
 
     # -- autograd hooks ----------------------------------------------------------------------------
+    def _grad_hook(self, k: int):
+        """Tensor hook: pre-scale the incoming gradient; note whether one came (autograd also runs the
+        hooks of a parameter whose gradient is None, e.g. one the compiled backward reduced itself)."""
+        s = self._pre_scale[k]
+
+        def hook(g: torch.Tensor | None) -> torch.Tensor | None:
+            self._arrived[k] = g is not None
+            return g * s if g is not None and s != 1.0 else None
+
+        return hook
+
     def _hook(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
         if not b.adopts(i):  # move the fresh gradient into the high-precision bucket, even under no_sync
             b.adopt(i)
         if not self._sync:
             return
+        k = self._slot_of[id(p)]
+        if self._claimed and not self._arrived[k]:
+            return  # nothing came through autograd: the compiled backward reduces this one itself
+        if self._claimed:
+            raise RuntimeFault(
+                f"{self._names[k]} received a gradient outside the compiled backward, which "
+                "reduces the gradients itself (its bucket may be reduced already); compile with "
+                "grad_reduction='hooks' when parameters are used outside the compiled graph")
         task = torch._C._current_graph_task_id()
         if self._task != task:
             if self._task is not None:
@@ -186,6 +241,75 @@ class MultiGroupDistributedDataParallel:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b.ready.add(i)
         self._launch_ready()
+
+    # -- in-graph reduction (passes/grad_reduction.py places the nodes that call these) ------------
+    def attach(self, ctx_id: int, param_names: dict[int, str]) -> None:
+        """Let the graphs of runtime context ``ctx_id`` reach this reducer; ``param_names``: id → name."""
+        _REDUCERS[ctx_id] = self
+        self._names = [param_names.get(id(p), f"parameter {k}") for k, p in enumerate(self.slots)]
+
+    def slot(self, name: str) -> int | None:
+        """The slot of the parameter called ``name`` (None: not reduced here, e.g. frozen)."""
+        try:
+            return self._names.index(name)
+        except ValueError:
+            return None
+
+    def claim(self, produced: list[int]) -> list[list[int]]:
+        """A compiled backward produces the gradients of ``produced`` (slots, in production order) and
+        will reduce them itself. The first claim of new parameters re-buckets by production order
+        (accumulated gradients carry over). Returns the claimed slots grouped by bucket, in bucket order."""
+        new = [k for k in produced if k not in self._rank]
+        task = torch._C._current_graph_task_id()  # aot_autograd may compile a backward when it first runs
+        if new and (self._task is None or self._task != task):  # never re-bucket under in-flight reductions
+            if self._task is not None:
+                self._abandon()
+            for k in new:
+                self._rank[k] = len(self._rank)
+            self._build_buckets(self.grad_dtype)
+        self._claimed.update(produced)
+        groups: dict[int, list[int]] = {}
+        index = {id(b): j for j, b in enumerate(self.buckets)}
+        for k in produced:
+            groups.setdefault(index[id(self._where[id(self.slots[k])][0])], []).append(k)
+        return [groups[j] for j in sorted(groups)]
+
+    def graph_ready(self, slots: list[int], grads: list[torch.Tensor]) -> None:
+        """Add a compiled backward's gradients of ``slots`` into their buckets; under sync, mark them
+        ready and start the all-reduce of every bucket now complete (in bucket order)."""
+        task = torch._C._current_graph_task_id()
+        if self._task is not None and self._task != task:
+            self._abandon()  # a backward that raised left its reduction state behind
+        # as autograd would: accumulate only into parameters this backward accumulates into (not under
+        # torch.autograd.grad(outputs, inputs=activations), e.g. a pipeline stage's metadata inference)
+        todo = [(k, g) for k, g in zip(slots, grads) if torch._C._will_engine_execute_node(self._acc[k])]
+        if not todo:
+            return
+        if self._sync and self._reduced_task == task:
+            raise RuntimeFault(
+                "a second compiled backward ran in one autograd backward after the first reduced the gradients "
+                "(a summed loss of several forwards): compile with forwards_in_flight=k (those programs reduce at "
+                "the end of the backward) or grad_reduction='hooks'")
+        for k, g in todo:
+            b, i = self._where[id(self.slots[k])]
+            if self._pre_scale[k] != 1.0:
+                g = g * self._pre_scale[k]  # as the hooks path's tensor hook
+            b.adopt(i)  # a p.grad set elsewhere (or None) becomes the bucket's starting value
+            b.view(i).add_(g)
+            if self._sync:
+                b.ready.add(i)
+        if self._sync:
+            self._task = task
+            self._launch_ready()
+
+    def graph_finish(self) -> None:
+        """End of a compiled backward under sync: start the buckets still pending (parameters this
+        graph does not produce), wait for every reduction, scale."""
+        task = torch._C._current_graph_task_id()
+        if not self._sync or self._task != task:
+            return  # nothing accumulated under sync in this backward: nothing to reduce (as with hooks)
+        self._finish()
+        self._reduced_task = task
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.buckets):

@@ -1,8 +1,10 @@
-"""Gradient reductions are not graph nodes: MultiGroupDistributedDataParallel reduces flat buckets
-after the backward graph has produced the gradients. To show them, map each bucket's parameters to
-the nodes that produce their gradients.
+"""Gradient reductions as boxes beside the graph: MultiGroupDistributedDataParallel reduces flat
+buckets, started by moe_ddp::bucket_ready nodes of the backward (grad_reduction="in_graph") or by
+hooks after it returned. To show them, map each bucket's parameters to the nodes that produce their
+gradients.
 
     captured placeholder i  ↔  primal i of the joint graph  ↔  gradient output i of backward
+                                                              (or an argument of a bucket_ready node)
     placeholder i's example tensor is the parameter itself (dynamo's graph argument)
 """
 
@@ -38,7 +40,14 @@ def grad_producers(cm, gm: fx.GraphModule) -> dict[str, fx.Node]:
     names = param_names_by_input(cm)
     outs = list(gm.graph.output_node().args[0])
     grads = outs[len(outs) - len(names):] if len(outs) >= len(names) else []
-    return {name: g for name, g in zip(names, grads) if name is not None and isinstance(g, fx.Node)}
+    out = {name: g for name, g in zip(names, grads) if name is not None and isinstance(g, fx.Node)}
+    if cm.ddp is not None:  # gradients the graph reduces itself: the bucket_ready nodes' arguments
+        by_id = {id(p): name for name, p in cm.model.named_parameters()}
+        slot_names = {k: by_id[id(p)] for k, p in enumerate(cm.ddp.slots) if id(p) in by_id}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and str(n.target).startswith("moe_ddp.bucket_ready"):
+                out.update({slot_names[k]: g for k, g in zip(n.args[1], n.args[2]) if k in slot_names})
+    return out
 
 
 def bucket_reductions(cm, gm: fx.GraphModule, max_buckets: int = 6) -> list[Reduction]:

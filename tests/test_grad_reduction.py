@@ -1,0 +1,107 @@
+"""Gradient reduction inside the compiled backward (passes/grad_reduction.py): gradients equal the dense
+reference, each bucket's all-reduce is issued by a node right after its last gradient (buckets in
+production order), no_sync accumulates, and a backward that raised does not poison the next step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_compile import MeshSpec, moe_compile
+from moe_compile.errors import OptionError, RuntimeFault
+from moe_compile.options import CompileOptions
+
+from .common import build_model, dense_reference, make_batches, rel_err
+from .harness import run_ranks
+
+
+def _grad_err(cm, ref: dict[str, torch.Tensor]) -> float:
+    grads = cm.full_grads()
+    return max(rel_err(grads[n], ref[n]) for n in ref)
+
+
+def _structure(cm) -> dict:
+    """Where the graph issues its reductions, relative to the gradients it produces."""
+    g = cm.program.graphs["backward"]
+    nodes = list(g.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    ready = [n for n in nodes if n.target is torch.ops.moe_ddp.bucket_ready.default]
+    wait = [n for n in nodes if n.target is torch.ops.moe_ddp.bucket_wait.default]
+    grads = [a for n in ready for a in n.args[2]]
+    slots = {id(p): k for k, p in enumerate(cm.ddp.slots)}
+    return {
+        "ready": len(ready),
+        "buckets": len(cm.ddp.buckets),
+        # each node right after the last of its bucket's gradients
+        "right_after": all(n.prev in n.args[2] for n in ready),
+        # reductions start before the last gradient is produced
+        "first_before_last_grad": bool(ready) and pos[ready[0]] < max(pos[a] for a in grads),
+        # graph order of the nodes = the reducer's bucket order
+        "bucket_order": [list(n.args[1]) for n in ready] == [[slots[id(p)] for p in b.params]
+                                                             for b in cm.ddp.buckets],
+        "wait_last": len(wait) == 1 and wait[0].next.op == "output",
+        "param_outputs": sum(a is not None for a in g.graph.output_node().args[0]),
+    }
+
+
+def reduction_worker(rank: int, world: int, mode: str) -> dict:
+    model = build_model("tiny")
+    a, b, c = (make_batches(world, seed=s) for s in (1, 2, 3))
+    _, ref_a = dense_reference(model, a)
+    _, ref_b = dense_reference(model, b)
+    _, ref_c = dense_reference(model, c)
+    ref_ab = {n: ref_a[n] + ref_b[n] for n in ref_a}
+    cm = moe_compile(model, MeshSpec.parse("ep_mp=1"), grad_reduction=mode, bucket_mb=0.05)
+    out: dict = {}
+
+    with cm.no_sync():  # accumulation: only the second backward reduces
+        cm(a[rank], labels=a[rank]).loss.backward()
+    cm(b[rank], labels=b[rank]).loss.backward()
+    out["accum_err"] = _grad_err(cm, ref_ab)
+    out.update(_structure(cm))
+    cm.ddp.zero_grad()
+
+    if mode == "in_graph":  # a backward that raises after the first bucket's all-reduce started
+        real, calls = cm.ddp.graph_ready, []
+
+        def faulty(slots, grads):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault")
+            return real(slots, grads)
+
+        cm.ddp.graph_ready = faulty
+        try:
+            cm(c[rank], labels=c[rank]).loss.backward()
+        except RuntimeError as e:
+            out["raised"] = "injected fault" in str(e)
+        del cm.ddp.graph_ready
+        cm.ddp.zero_grad()
+        # a parameter used outside the compiled graph: the reducer refuses (its bucket is the graph's)
+        try:
+            (cm(c[rank], labels=c[rank]).loss + 0 * cm.model.norm.weight.sum()).backward()
+        except RuntimeFault as e:
+            out["outside"] = "grad_reduction='hooks'" in str(e)
+        cm.ddp.zero_grad()
+    cm(c[rank], labels=c[rank]).loss.backward()
+    out["next_err"] = _grad_err(cm, ref_c)
+    cm.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["in_graph", pytest.param("hooks", marks=pytest.mark.slow)])
+def test_reduction_in_backward_graph(mode):
+    for r in run_ranks(reduction_worker, 2, mode):
+        assert r["accum_err"] <= 1e-5 and r["next_err"] <= 1e-5, r
+        if mode == "hooks":  # the explicit fallback: the graph returns every gradient, hooks reduce
+            assert r["ready"] == 0 and r["param_outputs"] == 18, r
+            continue
+        assert r["ready"] == r["buckets"] > 2, r
+        assert r["right_after"] and r["first_before_last_grad"] and r["bucket_order"] and r["wait_last"], r
+        assert r["param_outputs"] == 0, r  # autograd accumulates none of the reduced gradients
+        assert r["raised"] and r["outside"], r
+
+
+def test_grad_reduction_option():
+    with pytest.raises(OptionError, match="grad_reduction"):
+        CompileOptions(grad_reduction="overlap")
