@@ -43,8 +43,8 @@ import torch.fx as fx
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ir import MOE_META
 from ..ops import op_name
+from ..viz.graph import module_path
 from .plan_leases import backward_nodes
 
 MODES = (None, "selective", "moe", "full")
@@ -65,22 +65,11 @@ if hasattr(_aten, "_grouped_mm"):
 _LAYER = re.compile(r"^(.*?\.\d+)(?=\.|$)")  # "model.layers.3.mlp.experts.1" → "model.layers.3"
 
 
-def _path(n: fx.Node) -> str | None:
-    """Module path of the node: its MoE block, else the innermost nn_module_stack entry (L['model'] stripped)."""
-    meta = n.meta.get(MOE_META)
-    if meta is not None:
-        return meta.block
-    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")
-    if not stack:
-        return None
-    path = str(list(stack.values())[-1][0])
-    path = re.sub(r"\['([^']*)'\]", r".\1", re.sub(r"^L\['[^']*'\]\.?", "", path))
-    return path.replace(".modules.", ".").lstrip(".") or None
 
 
 def layer_of(n: fx.Node) -> str | None:
     """Decoder layer (module path up to the first list index) of ``n``, or of the op a getitem reads."""
-    p = _path(_producer(n))
+    p = module_path(_producer(n))
     m = _LAYER.match(p) if p else None
     return m.group(1) if m else None
 
@@ -118,7 +107,7 @@ def _wanted(n: fx.Node, mode: str, blocks: set[str]) -> bool:
     if mode == "selective":
         return n.target not in GEMMS and name not in MOE_GEMMS
     if mode == "moe":
-        p = _path(n)
+        p = module_path(n)
         return p is not None and any(p == b or p.startswith(b + ".") for b in blocks)
     return layer_of(n) is not None  # full
 

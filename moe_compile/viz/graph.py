@@ -65,10 +65,9 @@ def module_path(node: fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
-    path = list(stack.values())[-1][0]
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"^L\['self'\]\.?|^self\.?", "", path)
-    return path or None
+    path = str(list(stack.values())[-1][0])  # e.g. "L['self'].layers._modules['0']" or "L['model'].layers['0']"
+    path = re.sub(r"\.?(?:_modules)?\['([^']+)'\]", r".\1", re.sub(r"^L\['[^']*'\]\.?|^self\.?", "", path))
+    return path.replace(".modules.", ".").lstrip(".") or None
 
 
 def layer_of(path: str | None) -> str | None:
