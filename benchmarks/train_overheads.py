@@ -8,14 +8,15 @@
 each divided by the step (fwd+bwd with reduction + optimizer step). Timed regions start after a barrier;
 a sample is the slowest rank's time; the figure is the median over samples, the variants interleaved.
 
-Gradient reduction is measured for each ``--reduction`` variant (grad_reduction=in_graph: bucket
-all-reduces as nodes of the compiled backward; hooks: autograd hooks, all buckets start after it
-returns), each on its own copy of the model, sampled in turn (order rotated each round) in the same
-run; the second table's figure is the median of each round's back-to-back difference, steadier under
+Gradient reduction is measured for each ``--reduction`` variant MODE[/OP] (MODE: grad_reduction=
+in_graph, bucket reductions as nodes of the compiled backward, or hooks, autograd hooks, all buckets
+start after it returns; OP: reduce_scatter, each bucket reduce-scattered into the ZeRO-1 optimizer's
+owned ranges, or all_reduce; without OP the optimizer's default, all_reduce on gloo), each on its own copy
+of the model, sampled in turn (order rotated each round) in the same run; the second table's figure is the median of each round's back-to-back difference, steadier under
 a varying load than the difference of medians. Optimizer and checkpoint figures are the first variant's.
 
     python benchmarks/train_overheads.py [--quick] [--json out.json] [--meshes 4:ep_mp=2,...]
-                                         [--reduction in_graph,hooks] [--bucket-mb MB]
+                                         [--reduction in_graph,in_graph/reduce_scatter,hooks] [--bucket-mb MB]
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, s
     x = stream.batch(rank)
     runs = {}
     for v in variants:  # one model per variant, the same weights
+        mode, _, op = v.partition("/")
         cm = moe_compile(build_model(cfg), MeshSpec.parse(mesh), capacity_factor=cfg.capacity_factor,
-                         grad_reduction=v, **extra)
-        runs[v] = (cm, OLMoDDPOptimizer(cm, lr=1e-3, max_grad_norm=1.0))
+                         grad_reduction=mode, **extra)
+        rs = {"": None, "all_reduce": False, "reduce_scatter": True}[op]
+        runs[v] = (cm, OLMoDDPOptimizer(cm, lr=1e-3, max_grad_norm=1.0, reduce_scatter=rs))
 
     def fwd_bwd(cm):
         cm(input_ids=x, labels=x).loss.backward()
@@ -126,8 +129,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--meshes", default="4:ep_mp=2,2:ep_mp=2,2:ep_mp=1", help="RANKS:MESH,... (default: %(default)s)")
-    ap.add_argument("--reduction", default="in_graph,hooks", help="grad_reduction variants, the first one is the "
-                    "main table's (default: %(default)s)")
+    ap.add_argument("--reduction", default="in_graph,in_graph/reduce_scatter,hooks",
+                    help="MODE[/OP] variants (MODE: in_graph | hooks; OP: reduce_scatter | all_reduce), the first "
+                    "one is the main table's (default: %(default)s)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size (default: the option's)")
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()

@@ -163,7 +163,7 @@ class CompiledMoE(nn.Module):
     def _grad_of(self, _name: str, p: torch.Tensor) -> torch.Tensor:
         """The optimizer-facing gradient: the bucket's main_grad under DDP, else p.grad."""
         if self.ddp is not None and p.requires_grad:
-            return self.ddp.main_grad(p)
+            return self.ddp.full_grad(p)  # collective when reduce-scattered (an OLMoDDPOptimizer is attached)
         return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]

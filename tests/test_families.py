@@ -4,8 +4,8 @@ and the feature. A crash (any other exception) or a wrong result fails.
 
 The family list comes from transformers' registries (moe_compile.families.moe_families), not a hand
 list; each family's tiny random config is derived from its config class's own fields. The one-rank
-sweep runs every family in one spawned rank (one process, so dynamo state stays out of the test
-process); the ep_mp=2 sweep (slow) runs every family on two ranks.
+sweep runs every family, in four shards of one spawned rank each (a process, so dynamo state stays out
+of the test process); the ep_mp=2 sweep (slow) runs the core families and a daily rotation on two ranks.
 
 Families whose tiny config transformers cannot build or run densely are listed in NOT_CHECKABLE with
 the reason: they are strict xfails, so a family that starts working (or a new reason) shows up. (The
@@ -48,11 +48,6 @@ def check_outcome(r: FamilyResult) -> None:
         assert r.message.split(":", 1)[0] in ("RecognitionError", "UnsupportedFeatureError", "MeshError"), r.message
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> dict[str, FamilyResult]:
-    return {r.family: r for r in run_ranks(sweep_worker, 1, FAMILIES, "ep_mp=1", timeout=1700)[0]}
-
-
 def test_families_are_found():
     # the families the front end was written against are registered MoE causal LMs
     assert {"olmoe", "mixtral", "qwen2_moe", "deepseek_v3", "granitemoe"} <= set(FAMILIES)
@@ -70,13 +65,19 @@ def test_tiny_configs_fill_and_keep_what_the_model_needs():
     assert swa.head_dim == swa.qk_nope_head_dim + swa.qk_rope_head_dim
 
 
-@pytest.mark.timeout(1800)  # the fixture compiles all 61 families: 4–8 min on 2 cores, more under load
-def test_one_rank_every_family(one_rank):
-    """One sweep (one process, so a parallel test run does not repeat it per worker) over every family:
-    parity or a clear error; the families that cannot be checked still crash (strict: one that starts
-    working must leave NOT_CHECKABLE)."""
+SHARDS = 4  # the sweep of all 61 families takes 4–8 min on 2 cores: shards let xdist workers share it
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_one_rank_every_family(shard):
+    """Every family, in SHARDS sweeps (each in one spawned process, so dynamo state stays out of the
+    test process): parity or a clear error; the families that cannot be checked still crash (strict:
+    one that starts working must leave NOT_CHECKABLE)."""
+    families = FAMILIES[shard::SHARDS]
+    one_rank = {r.family: r for r in run_ranks(sweep_worker, 1, families, "ep_mp=1", timeout=850)[0]}
     bad = []
-    for family in FAMILIES:
+    for family in families:
         r = one_rank[family]
         if family in NOT_CHECKABLE:
             if r.status in ("compiled", "error"):

@@ -1,6 +1,8 @@
 """Gradient reduction inside the compiled backward (passes/grad_reduction.py): gradients equal the dense
-reference, each bucket's all-reduce is issued by a node right after its last gradient (buckets in
-production order), no_sync accumulates, and a backward that raised does not poison the next step."""
+reference, each bucket's reduction is issued by a node right after its last gradient (buckets in
+production order), no_sync accumulates, and a backward that raised does not poison the next step.
+The ZeRO-1 optimizer is attached, so the buckets are reduce-scattered into its owned ranges
+(train/grad_shards.py); the all-reduce path is what every parity test without an optimizer runs."""
 
 from __future__ import annotations
 
@@ -8,16 +10,36 @@ import pytest
 import torch
 
 from moe_compile import MeshSpec, moe_compile
-from moe_compile.errors import OptionError, RuntimeFault
+from moe_compile.errors import MoECompileError, OptionError, RuntimeFault
 from moe_compile.options import CompileOptions
+from moe_compile.train.grad_shards import chunk_range
+from moe_compile.train.optimizer import OLMoDDPOptimizer
 
 from .common import build_model, dense_reference, make_batches, rel_err
 from .harness import run_ranks
 
 
 def _grad_err(cm, ref: dict[str, torch.Tensor]) -> float:
-    grads = cm.full_grads()
+    grads = cm.full_grads()  # reduce-scattered: all-gathered from the owned ranges
     return max(rel_err(grads[n], ref[n]) for n in ref)
+
+
+def _owned_err(cm, ref: dict[str, torch.Tensor]) -> float:
+    """This rank's owned ranges (what the optimizer reads) against the same slices of the reference, for
+    the parameters the compiled model keeps under their own names (the dense ones; the expert ones are
+    checked whole through full_grads, and through the optimizer in test_optimizer.py)."""
+    params = dict(cm.model.named_parameters())
+    worst, checked = 0.0, 0
+    for n, want in ref.items():
+        if n not in params:
+            continue
+        checked += 1
+        b, _ = cm.ddp._where[id(params[n])]
+        lo, hi = chunk_range(want.numel(), b.shards.g, b.shards.q)
+        if hi > lo:
+            worst = max(worst, rel_err(cm.ddp.owned_grad(params[n]), want.reshape(-1)[lo:hi]))
+    assert checked >= 5, f"only {checked} parameters keep their names"
+    return worst
 
 
 def _structure(cm) -> dict:
@@ -52,12 +74,18 @@ def reduction_worker(rank: int, world: int, mode: str) -> dict:
     _, ref_c = dense_reference(model, c)
     ref_ab = {n: ref_a[n] + ref_b[n] for n in ref_a}
     cm = moe_compile(model, MeshSpec.parse("ep_mp=1"), grad_reduction=mode, bucket_mb=0.05)
-    out: dict = {}
+    OLMoDDPOptimizer(cm, lr=0.0, reduce_scatter=True)  # both families over groups of 2 ranks
+    out: dict = {"sharded": all(b.shards is not None for b in cm.ddp.buckets)}
 
     with cm.no_sync():  # accumulation: only the second backward reduces
         cm(a[rank], labels=a[rank]).loss.backward()
     cm(b[rank], labels=b[rank]).loss.backward()
+    out["owned_err"] = _owned_err(cm, ref_ab)
     out["accum_err"] = _grad_err(cm, ref_ab)
+    try:
+        cm.ddp.main_grad(cm.model.norm.weight)
+    except MoECompileError as e:
+        out["main_grad_refused"] = "reduce-scattered" in str(e) and "norm.weight" in str(e)
     out.update(_structure(cm))
     cm.ddp.zero_grad()
 
@@ -92,7 +120,8 @@ def reduction_worker(rank: int, world: int, mode: str) -> dict:
 @pytest.mark.parametrize("mode", ["in_graph", pytest.param("hooks", marks=pytest.mark.slow)])
 def test_reduction_in_backward_graph(mode):
     for r in run_ranks(reduction_worker, 2, mode):
-        assert r["accum_err"] <= 1e-5 and r["next_err"] <= 1e-5, r
+        assert r["sharded"] and r["main_grad_refused"], r
+        assert r["owned_err"] <= 1e-5 and r["accum_err"] <= 1e-5 and r["next_err"] <= 1e-5, r
         if mode == "hooks":  # the explicit fallback: the graph returns every gradient, hooks reduce
             assert r["ready"] == 0 and r["param_outputs"] == 18, r
             continue

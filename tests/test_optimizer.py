@@ -1,6 +1,6 @@
 """OLMoDDPOptimizer against torch's AdamW on the dense model, and checkpoints moved between topologies.
 
-One 4-rank world (ep_dp=2, ep_mp=2) trains 20 steps and saves at step 10 (a save at step 12 is made to
+One 4-rank world (ep_dp=2, ep_mp=2, gradients reduce-scattered) trains 20 steps and saves at step 10 (a save at step 12 is made to
 fail mid-way); two more worlds load the step-10 checkpoint under (ep_mp=4) and under (ep_mp=2, ep_dp=1,
 2 ranks with m=2 microbatches, the same global batch) and train on to step 20.
 """
@@ -70,7 +70,9 @@ def train_worker(rank, world, mesh, ckpt, start, m, saved):
     """Train steps [start, STEPS) on ``mesh``; from scratch (start 0, saving at SAVE_AT) or after loading
     the checkpoint in ``ckpt``. Returns per-step losses and grad norms and full states."""
     cm = moe_compile(build_model("tiny"), MeshSpec.parse(mesh))
-    opt = OLMoDDPOptimizer(cm, max_grad_norm=MAX_NORM, **HYPER)
+    # the first world reduce-scatters its buckets into the ZeRO-1 ranges (the default off gloo); the
+    # resumed worlds all-reduce (gloo's default): steps 0–10 check the one, 10–20 the other
+    opt = OLMoDDPOptimizer(cm, max_grad_norm=MAX_NORM, reduce_scatter=not start, **HYPER)
     dp_rank = cm.program.mesh.dense_coords(rank)[1]
     out = {"losses": {}, "norms": {}}
     if start:

@@ -11,7 +11,8 @@ import copy
 import pytest
 import torch
 
-from moe_compile.frontend.canonical import install, settle
+from moe_compile.frontend.canonical import install
+from moe_compile.frontend.probe import settle
 from moe_compile.frontend.recognize import read_block
 
 

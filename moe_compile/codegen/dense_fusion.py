@@ -18,12 +18,13 @@ reordering inductor does there is safe. ``prog.graphs[kind]`` keeps the unsplit 
     dense_fusion="none"      the lowered graph runs as it is
     dense_fusion="auto"      per device (AUTO_DEFAULT), by measurement:
         CPU   "none". benchmarks/one_rank_step.py (OLMoE-like, 4 layers, d=256, 16 experts, top-8,
-              4×256 tokens, one thread, on a heavily shared 2-core machine) measured the step at 0.72×
-              HF eager with inductor against 0.79× without (medians; the least disturbed samples gave
-              0.80 against 0.78): a gain within the noise, while the compile costs 2-3× as long with a
-              warm inductor cache and minutes cold (a C++ build per distinct segment), and on CPU this
-              project compiles many short programs (tests, demos) where that never pays back. Long CPU
-              runs may pass dense_fusion="inductor". Without a C++ compiler auto is "none" anyway.
+              4×256 tokens, one thread) measured the step on a quiet 2-core machine at 0.71× HF eager
+              with inductor against 0.85× without (medians; on a heavily shared machine 0.72 against
+              0.79, within the noise). The compile costs 2.3 s more per program with a warm inductor
+              cache and 2-3× as long cold (a C++ build per distinct segment), so 41 ms per step pays it
+              back after 60-400 steps, and on CPU this project compiles many short programs (tests,
+              demos) where that never happens. Long CPU runs should pass dense_fusion="inductor".
+              Without a C++ compiler auto is "none" anyway.
         CUDA  "none": not measured yet (no GPU run of this option so far).
 """
 

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import torch.nn as nn
 
-from .canonical import ExpertWeights, expert_tensors, install, set_context, settle
+from .canonical import ExpertWeights, expert_tensors, install, set_context
+from .probe import settle
 from .recognize import Candidate, find_candidates, read_block, register_recognizer, unregister_recognizer
 from .spec import ExpertsSpec, MoEBlockSpec, ParamView, RouterSpec
 

@@ -1,4 +1,4 @@
-"""Canonical MoE forwards, installed on the user's modules, and the probe that checks them.
+"""Canonical MoE forwards, installed on the user's modules (checked against them by :mod:`.probe`).
 
 Capture form of one MoE block (what the FX graph will hold)::
 
@@ -13,19 +13,10 @@ and experts' forwards; "block" replaces the block's forward (user MoEs whose for
 experts). Installation is per instance (``module.forward``), so the modules keep their classes and
 hooks, and parameter names stay those of the original model except for re-stacked experts.
 
-Before anything is sharded, the probe runs the block's own forward and the canonical one on the same
-random batch; semantics that attributes leave open (score function, renormalisation, fp32 weights,
-whether a scaling attribute is the router's, whether the weights scale the expert input, and which
-reading of the expert tensors applies: layout, gate/up order, activation offset) are settled by which
-candidate reproduces the block, and no match is an error naming the block. A block whose router returns
-logits only (DBRX) or whose experts take pre-weighted rows alone (Llama 4) runs in "block" mode.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import itertools
 import types
 
 import torch
@@ -33,14 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops  # noqa: F401  (registers torch.ops.moe)
-from ..errors import MoECompileError, RecognitionError, UnsupportedFeatureError
+from ..errors import RecognitionError, UnsupportedFeatureError
 from ..models.aux_losses import router_aux_loss
-from .recognize import Candidate
-from .router_input import custom_backward, expert_scaled, router_input, shared_scored_weights
-from .spec import MoEBlockSpec, RouterSpec
-
-PROBE_TOKENS = 48
-PROBE_LOGIT_STD = 2.0  # spread of the router logits on the probe batch
+from .router_input import expert_scaled, router_input, shared_scored_weights
+from .spec import MoEBlockSpec
 
 
 class ExpertWeights(nn.Module):
@@ -231,247 +218,3 @@ def uninstall(block: nn.Module, spec: MoEBlockSpec, token: object) -> None:
 def set_context(block: nn.Module, spec: MoEBlockSpec, ctx: int) -> None:
     (getattr(block, spec.experts_attr) if spec.mode == "components" else block)._moe_ctx = ctx
 
-
-# -- probe -------------------------------------------------------------------------------------
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
-    if a.shape != b.shape and a.numel() == b.numel():  # [B, S, d] against a block returning [B·S, d]
-        a = a.reshape(b.shape)
-    if a.shape != b.shape:
-        return False, float("inf")
-    tol = 1e-4 if a.dtype == torch.float32 and b.dtype == torch.float32 else 3e-2
-    scale = b.abs().max().item() + 1e-12
-    err = (a.float() - b.float()).abs().max().item() / scale
-    return err <= tol, err
-
-
-def _split(out: object, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(out, torch.Tensor):
-        return out, None
-    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out) and out[1].dim() == 0:
-        return out[0], out[1]
-    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
-        # (output, router scores) (gpt-oss; components mode: the block's own forward builds both from ours)
-        # or (output, router logits) (Llama 4; block mode: spec.returns_logits)
-        return out[0], None
-    raise RecognitionError(
-        f"{where}: forward returns {type(out).__name__}; a MoE block must return a tensor or (tensor, aux_loss scalar)"
-    )
-
-
-@contextlib.contextmanager
-def _probe_router(c: Candidate, gen: torch.Generator):
-    """Random router weights (logits of spread PROBE_LOGIT_STD) and score-correction bias for the probe,
-    the model's own restored afterwards. Near-zero logits (a zero-initialised router, as AFMoE's) would
-    let routings that differ only away from 0 pass: softmax and sigmoid renormalised over the top-2 agree
-    at 0 and differ 2x in gradient; a zero bias would hide where the bias is added."""
-    router = getattr(c.block, c.router_attr)
-    w = _bias(router, c.weight_attr)
-    tensors = [w] + ([_bias(c.block, c.bias_attr)] if c.bias_attr else [])
-    if c.logit_bias_attr:  # a zero router bias would hide whether it is added
-        tensors.append(_bias(router, c.logit_bias_attr))
-    scales = [getattr(router, a) for a in (c.router_extras.get("input_scale_attr"), c.router_extras.get("expert_scale_attr"),
-                                           c.router_extras.get("weight_scale_attr"))
-              if a]  # ones would hide whether (and where) they multiply
-    saved = [t.detach().clone() for t in tensors + scales]
-    try:
-        with torch.no_grad():
-            n, d = w.shape
-            w.copy_(torch.randn(n, d, generator=gen).to(w) * (PROBE_LOGIT_STD / d**0.5))
-            for t in tensors[1:]:
-                t.copy_(torch.randn(t.shape, generator=gen).to(t) * 0.5)
-            for t in scales:
-                t.copy_(1 + 0.5 * torch.randn(t.shape, generator=gen).to(t))
-        yield
-    finally:
-        with torch.no_grad():
-            for t, v in zip(tensors + scales, saved, strict=True):
-                t.copy_(v)
-
-
-def _returns_logits(out: object) -> bool:
-    return isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and out[1].dim() > 0
-
-
-def _reference(c: Candidate, x: torch.Tensor, mode: str):
-    """The block's own output on the probe batch, and (components mode) the order of its router's tuple,
-    read from what the router returned: indices are the integer tensor, logits the float [T, N] one,
-    weights the float [T, K] one."""
-    router = getattr(c.block, c.router_attr)
-    seen: list[object] = []
-    saved = router.__dict__.get("forward")
-    if mode == "components":
-        own = router.forward
-        router.forward = lambda *a, **k: seen.append(own(*a, **k)) or seen[-1]
-    try:
-        raw = c.block(x)
-        ref, ref_aux = _split(raw, c.path)
-    except MoECompileError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the block's own forward needs more than hidden states
-        raise RecognitionError(
-            f"{c.path}: the block's own forward fails on a probe batch of hidden states alone "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); a MoE block must compute "
-            f"forward(hidden_states) (blocks that also need token ids or other inputs are not supported)") from e
-    finally:
-        router.__dict__.pop("forward", None)
-        if saved is not None:
-            router.forward = saved
-    order = _router_order(c, seen[0]) if seen else ("logits", "weights", "indices")
-    return ref, ref_aux, order, mode == "block" and _returns_logits(raw)
-
-
-def _pair(c: Candidate, x2: torch.Tensor, order: tuple[str, str, str] | None = None):
-    """(experts(x2, router(x2)), the router's output order): router then experts as a components-mode
-    block calls them, for a block whose own forward needs more than hidden states (Gemma 4's decoder
-    layer holds the router and experts beside its attention)."""
-    try:
-        out = getattr(c.block, c.router_attr)(x2)
-        order = order or _router_order(c, out)
-        got = dict(zip(order, out, strict=True))
-        return getattr(c.block, c.experts_attr)(x2, got["indices"], got["weights"]), order
-    except MoECompileError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise RecognitionError(f"{c.path}: router then experts fail on a probe batch ({type(e).__name__})") from e
-
-
-def _router_order(c: Candidate, out: object) -> tuple[str, ...]:
-    where = f"{c.path}.{c.router_attr}"
-    if c.router_extras.get("logits_from_forward") and isinstance(out, tuple) and len(out) > 3:
-        out = out[:3]  # a router network's further outputs (state for the next layer) pass through
-    if (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-            and sorted(t.is_floating_point() for t in out) == [False, True]):
-        return tuple("weights" if t.is_floating_point() else "indices" for t in out)  # no logits (LongCat-Flash)
-    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
-        kind = type(out).__name__ if not isinstance(out, tuple) else f"a {len(out)}-tuple"
-        raise UnsupportedFeatureError(
-            f"{where}: the router returns {kind}; a router module must return (logits, weights, indices) or "
-            "(weights, indices) in some order (a router returning logits only, with top-k in the block's "
-            "forward, is not supported)")
-    n = c.experts.num_experts + c.router_extras.get("identity_experts", 0) + c.router_extras.get("null_experts", 0)
-    k = c.top_k
-    ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
-    logits = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape[-1] == n]
-    weights = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape[-1] == k]
-    if len(ints) != 1:
-        raise UnsupportedFeatureError(f"{where}: the router returns {[str(t.dtype) for t in out]}: no single "
-                                      "integer tensor of expert indices")
-    if n == k or len(logits) != 1 or len(weights) != 1:
-        return ("logits", "weights", "indices")  # not distinguishable by shape: the transformers order
-    order = {ints[0]: "indices", logits[0]: "logits", weights[0]: "weights"}
-    return tuple(order[i] for i in range(3))
-
-
-def _experts_take_hidden_only(c: Candidate) -> bool:
-    """The experts module's own forward takes the hidden states alone (Llama 4 runs every expert on
-    pre-weighted rows), so the block cannot call a canonical experts(x, idx, weights): "block" mode."""
-    ex = getattr(c.block, c.experts_attr)
-    if type(ex).forward is nn.Module.forward or isinstance(ex, nn.ModuleList):
-        return False
-    kinds = [p.kind for p in inspect.signature(ex.forward).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    return kinds in ([inspect.Parameter.POSITIONAL_ONLY], [inspect.Parameter.POSITIONAL_OR_KEYWORD])
-
-
-def _router_returns_logits_only(c: Candidate, x: torch.Tensor) -> bool:
-    try:
-        return isinstance(getattr(c.block, c.router_attr)(x), torch.Tensor)
-    except Exception:  # noqa: BLE001 - a router needing more than hidden states: the probe reports it
-        return False
-
-
-def settle(c: Candidate) -> MoEBlockSpec:
-    """Fix the routing semantics (and which reading of the experts applies) of a candidate by the
-    probe, or from attributes alone on meta; the candidate keeps the expert reading that matched."""
-    mode = "components" if c.router_kind == "hf" and not _experts_take_hidden_only(c) else "block"
-    if c.router_extras.get("shared_scored"):  # its router returns the shared gammas too: the block's forward is ours
-        mode = "block"
-    outputs = ("logits", "weights", "indices")
-    returns_logits = False
-
-    def spec_for(v, o: tuple, returns_aux: bool, checked: bool) -> MoEBlockSpec:
-        scaling, on_input, sf, rn, fp, bias_on = o
-        r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, scaling, fp, c.bias_attr, c.lb_coef, c.z_coef,
-                       *c.groups, weight_attr=c.weight_attr, outputs=outputs, logit_bias_attr=c.logit_bias_attr,
-                       weights_on_input=on_input, bias_on=bias_on, **c.router_extras)
-        return MoEBlockSpec(
-            path=c.path, index=0, mode=mode, router_attr=c.router_attr, experts_attr=c.experts_attr,
-            experts=v.experts, shared_attr=c.shared_attr, shared_gate_attr=c.shared_gate_attr,
-            shared_hidden=c.shared_hidden, param_views=v.views, router=r, returns_aux=returns_aux,
-            returns_logits=returns_logits, checked=checked,
-        )
-
-    def options() -> list[tuple]:
-        # a scaling attribute on the block may be the block's own multiply in its forward (MiniMax-M3), not
-        # the router's; in "block" mode the weights may scale the expert input, not its output (Llama 4).
-        # The attribute readings come first: a block they reproduce settles as before these alternatives.
-        scalings = (c.scaling, 1.0) if mode == "components" and c.scaling != 1.0 else (c.scaling,)
-        on_inputs = (False, True) if mode == "block" else (False,)
-        bias_ons = ("scores", "logits") if c.bias_attr else ("scores",)  # where the correction bias is added
-        return list(itertools.product(scalings, on_inputs, c.score_funcs, c.renorms, c.fp32_options, bias_ons))
-
-    variants = c.expert_variants()
-    w_in, _ = c.full_weights()
-    if w_in.is_meta:
-        return spec_for(variants[0], options()[0], c.lb_coef > 0 or c.z_coef > 0, checked=False)
-    block = c.block
-    gen = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
-    with torch.no_grad(), _probe_router(c, gen):
-        if mode == "components" and _router_returns_logits_only(c, x):
-            mode = "block"  # (DBRX) top-k is in the block's forward: the canonical forward replaces it
-        try:
-            ref, ref_aux, outputs, returns_logits = _reference(c, x, mode)
-            probe = lambda: block(x)  # noqa: E731
-        except RecognitionError as own_fails:
-            if mode != "components" or isinstance(own_fails, UnsupportedFeatureError):
-                raise
-            try:  # a decoder layer holding router and experts: probe the pair
-                (ref, outputs), ref_aux, returns_logits = _pair(c, x[0]), None, False
-            except RecognitionError:
-                raise own_fails from None
-            probe = lambda: _pair(c, x[0], outputs)[0]  # noqa: E731
-        if ref_aux is None and (c.lb_coef or c.z_coef):
-            raise RecognitionError(
-                f"{c.path}: has auxiliary-loss coefficients (lb={c.lb_coef}, z={c.z_coef}) but its forward returns no "
-                "aux loss; return (output, aux_loss) so the compiled block can reproduce it"
-            )
-        errors = []
-        for v, o in itertools.product(variants, options()):
-            spec = spec_for(v, o, ref_aux is not None, checked=True)
-            w_in, w_out = v.full_weights()
-            token = install(block, spec, w_in, w_out, 0, v.full_biases() if v.full_biases else None)
-            try:
-                out, aux = _split(probe(), c.path)
-            except MoECompileError:
-                raise
-            except Exception as e:  # the canonical form met an interface it does not model
-                raise RecognitionError(
-                    f"{c.path}: recognised as an MoE block ({spec.describe()}), but its canonical form fails on a "
-                    f"probe batch ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); its router "
-                    f"({type(getattr(block, c.router_attr)).__name__}) or experts use an interface the compiler does "
-                    "not model (a router must return (logits, weights, indices) or be a Linear)") from e
-            finally:
-                uninstall(block, spec, token)
-            ok, err = _close(out, ref)
-            if ok and ref_aux is not None:
-                ok, aerr = _close(aux, ref_aux)
-                err = max(err, aerr)
-            if ok:
-                c.use(v)
-                return spec
-            errors.append((err, spec))
-    err, best = min(errors, key=lambda e: e[0])
-    fn = custom_backward(getattr(block, c.router_attr), c.experts.d_model)
-    if fn is not None:  # name the feature the probe could not reproduce
-        raise UnsupportedFeatureError(
-            f"{c.path}.{c.router_attr}: the router computes its weights through a custom autograd Function ({fn}) "
-            "with a backward of its own (e.g. PhiMoE's sparsemixer gradient estimator, sampled in training); "
-            f"no supported routing reproduces it (probe: closest relative error {err:.2e})")
-    raise RecognitionError(
-        f"{c.path}: recognised as an MoE block ({best.describe()}), but no supported routing reproduces its "
-        f"output on a probe batch (closest: relative error {err:.2e}); the block computes something the compiler "
-        "does not understand"
-    )

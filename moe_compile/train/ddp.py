@@ -17,7 +17,12 @@ gradient. Two modes:
     grad_dtype = float32 for BF16 params: each post-accumulate hook adds p.grad into the FP32 bucket
                  and drops p.grad, so accumulation over microbatches and the reduction run in FP32.
 
-A bucket's all-reduce starts (async) as soon as all its gradients are in, in bucket order on every
+Under the ZeRO-1 optimizer (``shard_gradients``: OLMoDDPOptimizer(reduce_scatter=True), its
+default except on gloo, where reduce-scatter is slower than all-reduce) a bucket is reduce-scattered instead (train/grad_shards.py): each rank receives the reduced
+gradient of its owned ranges only (``owned_grad``), half the all-reduce's traffic; the flat bucket
+then holds this rank's local gradient, and ``main_grad`` refuses (``full_grad`` gathers, collectively).
+
+A bucket's reduction (all-reduce or reduce-scatter) starts (async) as soon as all its gradients are in, in bucket order on every
 rank (collectives must match across ranks). Two ways the gradients come in:
 
     in graph (default; passes/grad_reduction.py): the compiled backward itself adds each gradient
@@ -55,7 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import RuntimeFault
+from ..errors import MoECompileError, RuntimeFault
+from .grad_shards import BucketShards
 
 # ctx_id → the reducer of that program (graph nodes carry ints; see attach)
 _REDUCERS: weakref.WeakValueDictionary[int, MultiGroupDistributedDataParallel] = weakref.WeakValueDictionary()
@@ -87,6 +93,7 @@ class GradBucket:
     offsets: list[int]
     ready: set[int] = field(default_factory=set)
     work: object = None
+    shards: BucketShards | None = None  # reduce-scatter into the ZeRO-1 owned ranges (shard_gradients)
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -133,6 +140,8 @@ class MultiGroupDistributedDataParallel:
         self._rank: dict[int, int] = {}  # slot → position in the compiled backwards' production order
         self._claimed: set[int] = set()  # slots some compiled backward reduces in graph
         self._reduced_task: int | None = None  # graph task whose in-graph reduction already finished
+        self._shard = False  # reduce-scatter instead of all-reduce (shard_gradients)
+        self._gathered: dict[int, list[torch.Tensor]] = {}  # bucket id → whole reduced grads (full_grad)
         self._build_buckets(grad_dtype)
         self._arrived = [False] * len(self.slots)  # a defined gradient reached the slot through autograd
         with torch.enable_grad():  # each parameter's AccumulateGrad node, held so that autograd keeps it
@@ -188,6 +197,8 @@ class MultiGroupDistributedDataParallel:
             n += p.numel()
         dev = params[0].device
         b = GradBucket(fam.name, fam.group, fam.scale, list(params), torch.zeros(n, dtype=dtype, device=dev), offsets)
+        if self._shard and fam.group is not None:
+            b.shards = BucketShards(b.flat, offsets, [p.numel() for p in params], fam.group)
         for i, p in enumerate(params):
             self._where[id(p)] = (b, i)
         self.buckets.append(b)
@@ -196,13 +207,51 @@ class MultiGroupDistributedDataParallel:
     def main_grad(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s gradient as the optimizer reads it: its view into the (reduced) bucket."""
         b, i = self._where[id(p)]
+        if b.shards is not None:
+            raise MoECompileError(
+                f"main_grad({self._names[self._slot_of[id(p)]]}): gradients are reduce-scattered into the ZeRO-1 "
+                "optimizer's owned ranges (OLMoDDPOptimizer(reduce_scatter=True)), so no rank holds the whole reduced "
+                "gradient; read owned_grad(p), full_grad(p) (collective), or build the optimizer with reduce_scatter=False")
         return b.view(i)
+
+    def shard_gradients(self, enable: bool = True) -> None:
+        """Reduce-scatter every bucket of a group of more than one rank into the ZeRO-1 owned ranges
+        (train/grad_shards.py) instead of all-reducing it. Not allowed inside a backward."""
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("MultiGroupDistributedDataParallel.shard_gradients called during a backward")
+        if self._task is not None:
+            self._abandon()
+        self._shard = enable
+        self._gathered.clear()
+        for b in self.buckets:
+            b.shards = (BucketShards(b.flat, b.offsets, [p.numel() for p in b.params], b.group)
+                        if enable and b.group is not None else None)
+
+    def owned_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s reduced gradient over this rank's ZeRO-1 owned range of its flattened local tensor."""
+        b, i = self._where[id(p)]
+        if b.shards is not None:
+            return b.shards.owned(i)
+        return b.view(i).reshape(-1)  # a group of one rank owns the whole tensor
+
+    def full_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s whole reduced gradient. Collective over p's replica group when reduce-scattered (every
+        rank of the group must ask for the same parameters in the same order)."""
+        b, i = self._where[id(p)]
+        if b.shards is None:
+            return b.view(i)
+        if id(b) not in self._gathered:
+            self._gathered[id(b)] = b.shards.gather()
+        return self._gathered[id(b)][i].view(p.shape)
 
     def zero_grad(self) -> None:
         if self._task is not None and self._task != torch._C._current_graph_task_id():
             self._abandon()  # a backward that raised left its reduction state behind
+        self._gathered.clear()
         for b in self.buckets:
             b.flat.zero_()
+            if b.shards is not None:
+                b.shards.out.zero_()
             for i, p in enumerate(b.params):
                 if not b.adopts(i):
                     p.grad = None
@@ -318,18 +367,21 @@ class MultiGroupDistributedDataParallel:
                 return
             for i in range(len(b.params)):
                 b.adopt(i)
-            if b.group is not None:
+            if b.shards is not None:
+                b.work = b.shards.launch()
+            elif b.group is not None:
                 b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
             self._next += 1
 
     def _finish(self) -> None:
         self._launch_ready(force=True)
+        self._gathered.clear()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
             if b.scale != 1.0:
-                b.flat.mul_(b.scale)
+                (b.flat if b.shards is None else b.shards.out).mul_(b.scale)
             b.ready.clear()
         self._next = 0
         self._task = None
