@@ -4,7 +4,8 @@
     uniform and skewed routing (every token to rank 0's experts), measured (the buffer the compiled
     program allocates after its load-following growth) and predicted by the ledger (C_rho at the
     observed imbalance ρ), each as a ratio to today's static ep_mp·T·K buffer;
-(b) host reads (device→host syncs on a GPU) per training step on the transport path, per transport.
+(b) host reads (device→host syncs on a GPU) per training step on the transport path, per transport;
+all of it in one world of rank processes, one measurement after another.
 
     python benchmarks/scale.py [--ranks 4] [--seq 32] [--smoke]
 """
@@ -67,6 +68,12 @@ def sync_worker(rank: int, world: int, transport: str, seq: int) -> dict:
             "layers": cfg.n_layers}
 
 
+def jobs_worker(rank: int, world: int, jobs: list[tuple], seq: int) -> list[dict]:
+    """Every measurement in one world, one after another (one set of rank processes to start)."""
+    return [recv_worker(rank, world, *job[1:], seq) if job[0] == "recv" else sync_worker(rank, world, job[1], seq)
+            for job in jobs]
+
+
 def main() -> None:
     from moe_compile.runtime.launcher import spawn_ranks
 
@@ -77,19 +84,21 @@ def main() -> None:
     a = ap.parse_args()
     world, seq, eps = (2, 8, (2,)) if a.smoke else (a.ranks, a.seq, tuple(e for e in (2, 4) if e <= a.ranks))
     env = {"OMP_NUM_THREADS": "1"}
+    recv = [("recv", ep, scenario) for ep in eps for scenario in ("uniform", "skewed")]
+    syncs = [("sync", transport) for transport in ("symmetric", "all_to_all")]
+    per_rank = spawn_ranks(jobs_worker, world, recv + syncs, seq, env=env)
+    results = [[r[j] for r in per_rank] for j in range(len(recv) + len(syncs))]  # job → every rank's result
     print(f"(a) dropless receive-buffer bytes per rank per MoE layer ({world} CPU ranks, tiny model, "
           f"2×{seq} tokens per rank)")
-    for ep in eps:
-        for scenario in ("uniform", "skewed"):
-            rs = spawn_ranks(recv_worker, world, ep, scenario, seq, env=env)
-            worst = max(rs, key=lambda r: r["measured"])
-            print(f"  ep_mp={ep} {scenario:<8} rho={worst['rho']:.2f} growths={worst['growths']}: measured "
-                  f"{worst['measured']:,} B, predicted {worst['predicted']:,} B, static ep_mp·T·K {worst['static']:,} B; "
-                  f"ratio measured / static = {worst['measured'] / worst['static']:.3f}, "
-                  f"ratio predicted / measured = {worst['predicted'] / worst['measured']:.3f}")
+    for (_, ep, scenario), rs in zip(recv, results):
+        worst = max(rs, key=lambda r: r["measured"])
+        print(f"  ep_mp={ep} {scenario:<8} rho={worst['rho']:.2f} growths={worst['growths']}: measured "
+              f"{worst['measured']:,} B, predicted {worst['predicted']:,} B, static ep_mp·T·K {worst['static']:,} B; "
+              f"ratio measured / static = {worst['measured'] / worst['static']:.3f}, "
+              f"ratio predicted / measured = {worst['predicted'] / worst['measured']:.3f}")
     print(f"(b) host reads per training step on the transport path ({world} ranks, ep_mp={world})")
-    for transport in ("symmetric", "all_to_all"):
-        r = spawn_ranks(sync_worker, world, transport, seq, env=env)[0]
+    for (_, transport), rs in zip(syncs, results[len(recv):]):
+        r = rs[0]
         print(f"  {transport:<10} host syncs per step = {r['transport_path']} ({r['layers']} MoE layers): "
               f"{r['by_site']}")
 

@@ -42,23 +42,26 @@ class CompiledMoE(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
-            return self.pipeline.forward(args, kwargs)
+            return self.pipeline.forward(args, kwargs)  # its capture translates capture errors itself
         if self.program.mesh.cp > 1:  # this rank's sequence shard; the loss is the whole sequence's
             from .ops.context_parallel import LossSum
             from .runtime.context_parallel import shard_batch
 
             if args:
                 raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
-            out = self._compiled(**shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank))
+            out = self._run_compiled((), shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank))
             if getattr(out, "loss", None) is not None:
                 out.loss = LossSum.apply(out.loss, self.groups.cp)
             return out
+        return self._run_compiled(args, kwargs)
+
+    def _run_compiled(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:
             return self._compiled(*args, **kwargs)
         except Exception as e:
             from .capture import capture_error
 
-            err = capture_error(e, self.model)
+            err = capture_error(e, self.model)  # data-dependent control flow: name the module and the line
             if err is None:
                 raise
             raise err from e

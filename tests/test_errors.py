@@ -138,6 +138,32 @@ def test_data_dependent_control_flow_names_the_module():
         cm(ids)
 
 
+def data_dependent_worker(rank, world):
+    """The same model under a pipeline (its own capture of the whole model) and under context parallelism."""
+    out = {}
+    for mesh in ("pp=2", "cp=2"):
+        model = build_model("tiny", lb_coef=0.0, z_coef=0.0)  # in-block aux losses are refused under cp
+        model.layers[0].attn_norm = DataDependent(model.layers[0].attn_norm)
+        cm = moe_compile(model, MeshSpec.parse(mesh), **({"microbatches": 2} if mesh == "pp=2" else {}))
+        ids = make_batches(1)[0]
+        try:
+            if mesh == "pp=2":
+                cm.train_step(input_ids=ids, labels=ids)
+            else:
+                cm(input_ids=ids, labels=ids)
+            out[mesh] = "no error"
+        except UnsupportedFeatureError as e:
+            out[mesh] = str(e)
+        cm.close()
+    return out
+
+
+def test_data_dependent_control_flow_names_the_module_under_pp_and_cp():
+    for r in run_ranks(data_dependent_worker, 2):
+        for mesh, msg in r.items():
+            assert "layers.0.attn_norm (DataDependent): data-dependent Python control flow" in msg, (mesh, msg)
+
+
 def test_aux_coefficients_without_aux_output():
     class NoAux(MoEFeedForward):
         def forward(self, hidden):

@@ -67,7 +67,12 @@ def capture(model: nn.Module, kwargs: dict[str, Any], outputs: tuple[str, ...]):
         fn(**kwargs)
     except Exception as e:  # dynamo wraps the backend's exception
         if "gm" not in rec or not _caused_by(e, _Recorded):
-            raise
+            from ..capture import capture_error
+
+            err = capture_error(e, model)  # data-dependent control flow: name the module and the line
+            if err is None:
+                raise
+            raise err from e
     from ..passes.base import normalize_capture
 
     normalize_capture(rec["gm"])
