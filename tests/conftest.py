@@ -2,10 +2,7 @@
 an xdist worker or a `moe-compile train` subprocess) had to remove segments the runtime should have
 freed itself. The launcher's own cleanup would hide such a leak from the /dev/shm check, so it
 reports what it removed to the file $MOE_COMPILE_SHM_CLEANUP_LOG names (set here, inherited by every
-process the suite starts); tests that expect a removal take the report themselves (``cleaned=``).
-
-Long tests (marked slow, or with a timeout above the default) run first, so that with ``-n 2`` the
-run ends on short tests rather than on one worker finishing a long one while the other idles."""
+process the suite starts); tests that expect a removal take the report themselves (``cleaned=``)."""
 
 from __future__ import annotations
 
@@ -15,15 +12,6 @@ import tempfile
 from moe_compile.runtime.launcher import CLEANUP_LOG_ENV
 
 _OWN_LOG: list[str] = []
-
-
-def _long(item) -> bool:
-    timeout = item.get_closest_marker("timeout")
-    return item.get_closest_marker("slow") is not None or bool(timeout and timeout.args and timeout.args[0] > 600)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: not _long(item))  # stable: file order within each group
 
 
 def pytest_configure(config):
