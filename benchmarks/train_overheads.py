@@ -11,7 +11,7 @@ a sample is the slowest rank's time; the figure is the median over samples, the 
 Gradient reduction is measured for each ``--reduction`` variant MODE[/OP] (MODE: grad_reduction=
 in_graph, bucket reductions as nodes of the compiled backward, or hooks, autograd hooks, all buckets
 start after it returns; OP: reduce_scatter, each bucket reduce-scattered into the ZeRO-1 optimizer's
-owned ranges, or all_reduce; without OP the optimizer's default, all_reduce on gloo), each on its own copy
+owned ranges, or all_reduce; without OP the optimizer's default, all_reduce on CPU ranks), each on its own copy
 of the model, sampled in turn (order rotated each round) in the same run; the second table's figure is the median of each round's back-to-back difference, steadier under
 a varying load than the difference of medians. Optimizer and checkpoint figures are the first variant's.
 

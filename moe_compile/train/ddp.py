@@ -17,11 +17,11 @@ gradient. Two modes:
     grad_dtype = float32 for BF16 params: each post-accumulate hook adds p.grad into the FP32 bucket
                  and drops p.grad, so accumulation over microbatches and the reduction run in FP32.
 
-Under the ZeRO-1 optimizer (``shard_gradients``: OLMoDDPOptimizer(reduce_scatter=True), its
-default except on gloo, where reduce-scatter is slower than all-reduce) a bucket is reduce-scattered
-instead (train/grad_shards.py): each rank receives the reduced gradient of its owned ranges only
-(``owned_grad``), half the all-reduce's traffic; the flat bucket then holds this rank's local
-gradient, and ``main_grad`` refuses (``full_grad`` gathers, collectively).
+Under the ZeRO-1 optimizer (``shard_gradients``: OLMoDDPOptimizer(reduce_scatter=True), its default
+except on CPU ranks, where gloo's reduce-scatter is slower than its all-reduce) a bucket is
+reduce-scattered instead (train/grad_shards.py): each rank receives the reduced gradient of its owned
+ranges only (``owned_grad``), half the all-reduce's traffic; the flat bucket then holds this rank's
+local gradient, and ``main_grad`` refuses (``full_grad`` gathers, collectively).
 
 A bucket's reduction (all-reduce or reduce-scatter) starts (async) as soon as all its gradients are
 in, in bucket order on every rank (collectives must match across ranks). Two ways the gradients come in:
