@@ -1,0 +1,53 @@
+"""The local launcher's start methods: what a rank started from the forkserver sees (its own env, no
+other call's env, moe_compile already imported, a fresh process per rank) and how it fails."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from moe_compile.runtime.launcher import RankFailure, spawn_ranks
+
+VAR = "MOE_COMPILE_TEST_LAUNCHER_VAR"
+
+
+def env_worker(rank, world):
+    return {"var": os.environ.get(VAR), "rank": os.environ["RANK"], "pid": os.getpid(),
+            "preloaded": "moe_compile" in sys.modules}
+
+
+def failing_worker(rank, world):
+    if rank == 1:
+        raise ValueError("rank one's own fault")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits on the peer that failed
+
+
+def test_forkserver_ranks_see_their_own_env_only():
+    first = spawn_ranks(env_worker, 2, env={VAR: "first"}, start_method="forkserver", timeout=120)
+    assert [r["var"] for r in first] == ["first", "first"] and [r["rank"] for r in first] == ["0", "1"]
+    assert all(r["preloaded"] for r in first)
+    second = spawn_ranks(env_worker, 2, start_method="forkserver", timeout=120)
+    assert [r["var"] for r in second] == [None, None]  # the first call's env did not stay in the server
+    pids = {r["pid"] for r in first + second}
+    assert len(pids) == 4 and os.getpid() not in pids  # a process per rank, never this one
+    assert os.environ.get(VAR) is None  # and the caller's env is as it was
+
+
+def test_forkserver_reports_the_failing_rank_first():
+    with pytest.raises(RankFailure) as e:
+        spawn_ranks(failing_worker, 2, start_method="forkserver", timeout=120)
+    assert str(e.value).startswith("rank 1 failed first") and "rank one's own fault" in str(e.value)
+
+
+def test_spawn_start_method_still_runs():
+    r = spawn_ranks(env_worker, 1, env={VAR: "spawned"}, start_method="spawn", timeout=120)[0]
+    assert r["var"] == "spawned" and r["preloaded"]  # fn's module imports moe_compile itself
+
+
+def test_unknown_start_method_is_named():
+    with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', not 'fork'"):
+        spawn_ranks(env_worker, 1, start_method="fork")
