@@ -5,6 +5,8 @@
     moe_none          moe_compile(model, dense_fusion="none")
     moe_inductor      moe_compile(model, dense_fusion="inductor")
     gemm_floor        Σ self CPU time of aten::mm/addmm/bmm/_grouped_mm in a profiled moe_none step
+    gemm_attn_floor   gemm_floor + the SDPA kernels' self time (forward and backward): attention's two
+                      matrix products per head run inside them, at about the GEMMs' FLOP rate here
 
 Model: 4 layers, d=256, 16 experts, top-8 (as OLMoE), h_e=32, vocab 256; batch 4×256 tokens, fp32.
 Each path runs in its own process (compiles there, then waits); the parent asks them for timed steps
@@ -25,6 +27,9 @@ import time
 
 PATHS = ("hf_eager", "torch_compile", "moe_none", "moe_inductor")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
+ATTENTION_OPS = tuple(f"aten::_scaled_dot_product_{k}{b}" for k in ("flash_attention_for_cpu", "flash_attention",
+                                                                     "efficient_attention", "cudnn_attention")
+                      for b in ("", "_backward"))
 
 
 def build(path: str, args):
@@ -55,8 +60,9 @@ def build(path: str, args):
     return step, impl
 
 
-def gemm_seconds(step, steps: int) -> tuple[float, list]:
-    """Σ self CPU time of the GEMM ops per step, from the profiler; and the top ops by self time."""
+def gemm_seconds(step, steps: int) -> tuple[float, float, list]:
+    """Σ self CPU time per step of the GEMM ops and of the attention kernels, from the profiler; and the
+    top ops by self time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -64,7 +70,8 @@ def gemm_seconds(step, steps: int) -> tuple[float, list]:
             step()
     ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     us = sum(e.self_cpu_time_total for e in ev if e.key in GEMM_OPS)
-    return us / 1e6 / steps, [(e.key, e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in ev[:12]]
+    attn = sum(e.self_cpu_time_total for e in ev if e.key in ATTENTION_OPS)
+    return us / 1e6 / steps, attn / 1e6 / steps, [(e.key, e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in ev[:12]]
 
 
 def top_ops(tops: list[dict]) -> list:
@@ -90,8 +97,8 @@ def worker(path: str, args) -> None:
         if cmd == "quit":
             break
         if cmd == "gemm":
-            out, top = gemm_seconds(step, args.steps)
-            out = {"gemm": out, "top": top}
+            gemm, attn, top = gemm_seconds(step, args.steps)
+            out = {"gemm": gemm, "attention": attn, "top": top}
         else:
             t = time.perf_counter()
             for _ in range(args.steps):
@@ -135,7 +142,7 @@ def main() -> None:
         return json.loads(procs[p].stdout.readline())
 
     samples: dict[str, list[float]] = {p: [] for p in procs}
-    samples["gemm_floor"] = []
+    samples["gemm_floor"], samples["gemm_attn_floor"] = [], []
     tops: list[dict] = []  # per profiled round: op → (self seconds per step, calls per step)
     for _ in range(args.rounds):
         for p in procs:
@@ -143,6 +150,7 @@ def main() -> None:
         if "moe_none" in procs:
             prof = ask("moe_none", "gemm")
             samples["gemm_floor"].append(prof["gemm"])
+            samples["gemm_attn_floor"].append(prof["gemm"] + prof["attention"])
             tops.append({name: (sec, calls) for name, sec, calls in prof["top"]})
     for p in procs:
         procs[p].stdin.write("quit\n")
@@ -159,9 +167,10 @@ def main() -> None:
     for p in ("torch_compile", "moe_none", "moe_inductor"):
         if p in med and "hf_eager" in med:
             ratios[f"{p}/hf_eager"] = med[p] / med["hf_eager"]
-    for p in ("moe_none", "moe_inductor", "torch_compile"):
-        if p in med and "gemm_floor" in med:
-            ratios[f"{p}/gemm_floor"] = med[p] / med["gemm_floor"]
+    for floor in ("gemm_floor", "gemm_attn_floor"):
+        for p in ("moe_none", "moe_inductor", "torch_compile"):
+            if p in med and floor in med:
+                ratios[f"{p}/{floor}"] = med[p] / med[floor]
     res["ratios"] = ratios
     lo = {k: min(v) for k, v in samples.items() if v}  # the least disturbed sample (a shared machine)
     res["ratios_of_min"] = {k: lo[k.split("/")[0]] / lo[k.split("/")[1]] for k in ratios}

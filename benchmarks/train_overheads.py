@@ -12,11 +12,16 @@ Gradient reduction is measured for each ``--reduction`` variant MODE[/OP] (MODE:
 in_graph, bucket reductions as nodes of the compiled backward, or hooks, autograd hooks, all buckets
 start after it returns; OP: reduce_scatter, each bucket reduce-scattered into the ZeRO-1 optimizer's
 owned ranges, or all_reduce; without OP the optimizer's default, all_reduce on CPU ranks), each on its own copy
-of the model, sampled in turn (order rotated each round) in the same run; the second table's figure is the median of each round's back-to-back difference, steadier under
-a varying load than the difference of medians. Optimizer and checkpoint figures are the first variant's.
+of the model, sampled in turn (order rotated each round) in the same run; the second table's figure is
+the median of each round's back-to-back difference, steadier under a varying load than the difference of
+medians, and the median time the backward spent in the reducer's final wait (starting what is left,
+waiting for every bucket): the part of the reduction that nothing overlapped. Optimizer and checkpoint
+figures are the first variant's. The model is the tiny LM (default d=128, 2 layers, 4×64 tokens per
+rank); --d-model/--layers/--batch/--seq give it more work per rank.
 
     python benchmarks/train_overheads.py [--quick] [--json out.json] [--meshes 4:ep_mp=2,...]
                                          [--reduction in_graph,in_graph/reduce_scatter,hooks] [--bucket-mb MB]
+                                         [--d-model 128] [--layers 2] [--batch 4] [--seq 64]
 """
 
 from __future__ import annotations
@@ -41,14 +46,15 @@ def _timed(fn) -> float:
 
 
 def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, seq: int, rounds: int,
-                   saves: int, variants: tuple[str, ...] = ("in_graph",), bucket_mb: float | None = None) -> dict:
+                   saves: int, variants: tuple[str, ...] = ("in_graph",), bucket_mb: float | None = None,
+                   layers: int = 2) -> dict:
     from moe_compile import MeshSpec, moe_compile
     from moe_compile.train.checkpoint import load_checkpoint, save_checkpoint
     from moe_compile.train.data import SyntheticStream
     from moe_compile.train.loop import TrainConfig, build_model
     from moe_compile.train.optimizer import OLMoDDPOptimizer
 
-    cfg = TrainConfig(mesh=mesh, d_model=d_model, batch_size=batch, seq_len=seq)
+    cfg = TrainConfig(mesh=mesh, d_model=d_model, batch_size=batch, seq_len=seq, layers=layers)
     extra = {"bucket_mb": bucket_mb} if bucket_mb is not None else {}
     stream = SyntheticStream(256, seq, batch, seed=0)
     x = stream.batch(rank)
@@ -66,6 +72,14 @@ def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, s
     def fwd_bwd_no_sync(cm):
         with cm.no_sync():
             fwd_bwd(cm)
+
+    waits: dict[str, list[float]] = {v: [] for v in variants}  # time in the reducer's final wait, per backward
+    for v, (cm, _) in runs.items():
+        def timed_finish(finish=cm.ddp._finish, out=waits[v]):
+            t0 = time.perf_counter()
+            finish()
+            out.append(time.perf_counter() - t0)
+        cm.ddp._finish = timed_finish
 
     for cm, opt in runs.values():  # compile and warm up
         for _ in range(3):
@@ -118,7 +132,8 @@ def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, s
             "checkpoint_save": med["save"] / step,
             "checkpoint_load": med["load"] / step,
         },
-        "reduction": {v: {"ratio": paired(v) / step_of(v), "seconds": paired(v), "step_seconds": step_of(v)}
+        "reduction": {v: {"ratio": paired(v) / step_of(v), "seconds": paired(v), "step_seconds": step_of(v),
+                          "final_wait_seconds": statistics.median(waits[v][3:] or [0.0])}
                       for v in variants},
         "step_seconds": step,
     }
@@ -134,6 +149,10 @@ def main() -> None:
                     "one is the main table's (default: %(default)s)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size (default: the option's)")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--d-model", type=int, default=128, help="tiny LM width (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=2, help="tiny LM layers (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     args = ap.parse_args()
     from moe_compile.runtime.launcher import spawn_ranks
 
@@ -143,8 +162,8 @@ def main() -> None:
     results = []
     for item in args.meshes.split(","):
         ranks, mesh = item.split(":", 1)
-        r = spawn_ranks(overheads_rank, int(ranks), mesh, 128, 4, 64, rounds, saves, variants, args.bucket_mb,
-                        env={"OMP_NUM_THREADS": "1"})[0]
+        r = spawn_ranks(overheads_rank, int(ranks), mesh, args.d_model, args.batch, args.seq, rounds, saves, variants,
+                        args.bucket_mb, args.layers, env={"OMP_NUM_THREADS": "1"})[0]
         results.append(r)
     print("| mesh (ranks) | step | reduction | optimizer step | checkpoint save | checkpoint load | checkpoint size |")
     print("|---|---|---|---|---|---|---|")
@@ -159,8 +178,8 @@ def main() -> None:
     print("| mesh (ranks) | buckets | " + " | ".join(f"reduction, {v}" for v in variants) + " |")
     print("|---|---|" + "---|" * len(variants))
     for r in results:
-        cells = [f"{x['ratio']:.3f} ({x['seconds'] * 1e3:.1f} of {x['step_seconds'] * 1e3:.0f} ms)"
-                 for x in r["reduction"].values()]
+        cells = [f"{x['ratio']:.3f} ({x['seconds'] * 1e3:.1f} of {x['step_seconds'] * 1e3:.0f} ms; "
+                 f"final wait {x['final_wait_seconds'] * 1e3:.1f} ms)" for x in r["reduction"].values()]
         print(f"| {r['mesh']} ({r['ranks']}) | {r['buckets']} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,8 @@
 """Dense fusion (dense_fusion="inductor"): the dense segments of the lowered graphs run as inductor
-kernels, the moe:: / lease / transport ops stay opaque nodes in their order, and loss and gradients
-match the dense model (fp32, 1e-5) on two EP ranks (symmetric transport: lease ops; one test, since a cold
-inductor compile costs minutes on 2 cores)."""
+kernels, the moe:: / lease / transport ops stay opaque nodes in their order (but for the routed-row ops
+inlined as aten code), and loss and gradients match the dense model (fp32, 1e-5) on two EP ranks
+(symmetric transport: lease ops; one test, since a cold inductor compile costs minutes on 2 cores). The
+row-op decompositions are checked against per-row loops and against the ops' own kernels."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from moe_compile import moe_compile
 from moe_compile.codegen.dense_fusion import cpp_compiler, resolve_dense_fusion, split_segments
+from moe_compile.codegen.row_decompositions import ROW_DECOMPOSITIONS, inline_row_ops
 from moe_compile.errors import OptionError
 from moe_compile.ops import op_namespace
 
@@ -23,10 +25,13 @@ SMALL = dict(n_layers=1, d_model=32, expert_hidden=32)  # one layer: the fewest 
 needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="inductor on CPU needs a C++ compiler")
 
 
-def opaque_order(gm: torch.fx.GraphModule) -> list[str]:
+INLINED = tuple(f"moe.{name}.default" for name in ROW_DECOMPOSITIONS)
+
+
+def opaque_order(gm: torch.fx.GraphModule, skip: tuple[str, ...] = ()) -> list[str]:
     """Targets of the non-aten call nodes, in graph order (what must run eagerly, in this order)."""
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
-            and getattr(n.target, "namespace", None) not in ("aten", "prims")]
+            and getattr(n.target, "namespace", None) not in ("aten", "prims") and str(n.target) not in skip]
 
 
 def fusion_worker(rank: int, world: int, mesh: str | None) -> dict:
@@ -52,7 +57,9 @@ def fusion_worker(rank: int, world: int, mesh: str | None) -> dict:
             "pure_segments": all(n.target is operator.getitem or n.target.namespace in ("aten", "prims") for n in inside)
             and not any(op_namespace(n.target) for n in inside),
             "moe_ops": sorted({str(n.target) for n in gm.graph.nodes if op_namespace(n.target)}),
-            "order_kept": opaque_order(gm) == opaque_order(info["executable"]),
+            "order_kept": opaque_order(gm, skip=INLINED) == opaque_order(info["executable"]),
+            "row_ops_left": [t for t in opaque_order(info["executable"]) if t in INLINED],
+            "inlined": info["inlined_row_ops"],
             "leases": sum("lease_" in t for t in opaque_order(info["executable"])),
         }
     cm.close()
@@ -65,6 +72,7 @@ def check(r: dict, leases: bool) -> None:
     for kind, g in r["graphs"].items():
         assert g["segments"] > 0 and g["pure_segments"], (kind, g)
         assert g["order_kept"], (kind, g)
+        assert g["inlined"] > 0 and not g["row_ops_left"], (kind, g)  # unpermute (and mirrors) fused
         assert any("grouped_ffn" in t for t in g["moe_ops"]), (kind, g)  # the expert compute stays ours
         assert (g["leases"] > 0) == leases, (kind, g)
 
@@ -86,3 +94,44 @@ def test_options_and_auto_default():
 def test_two_ranks_ep2_matches_dense_model():
     for r in run_ranks(fusion_worker, 2, "ep_mp=2"):
         check(r, leases=True)
+
+
+def _routed(t: int, k: int, n: int, d: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    xs, order, _ = torch.ops.moe.permute(x, idx, n, "b")
+    return x, xs, order, w, torch.randn(t, d, generator=g).to(dtype)
+
+
+def _row_ops(xs, order, w, gy, t, k):
+    y = torch.ops.moe.unpermute(xs, order, w, "b")
+    g_back, g_w = torch.ops.moe.unpermute_backward(gy, xs, order, w, "b")
+    return y, g_back, g_w, torch.ops.moe.permute_backward(xs, order, t, k, "b")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_row_op_inlining_matches_loops_and_kernels(dtype, tol):
+    """inline_row_ops on a traced graph of the three row ops: no moe:: node is left, and its outputs
+    match a per-row loop over (t, k) (independent of both forms) and the ops' own kernels."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    t, k, n, d = 13, 3, 6, 8
+    x, xs, order, w, gy = _routed(t, k, n, d, dtype)
+    gm = make_fx(lambda *a: _row_ops(*a, t, k), tracing_mode="fake")(xs, order, w, gy)
+    inlined, count = inline_row_ops(gm)
+    assert count == 3 and not any(getattr(n.target, "namespace", None) == "moe" for n in inlined.graph.nodes)
+    got = inlined(xs, order, w, gy)
+    kernels = _row_ops(xs, order, w, gy, t, k)
+    row = {(int(order[r]) // k, int(order[r]) % k): r for r in range(t * k)}  # (token, slot) → routed row
+    xf, gf = xs.float(), gy.float()
+    ref_y = torch.stack([sum(w[i, j] * xf[row[i, j]] for j in range(k)) for i in range(t)])
+    ref_gb = torch.stack([gf[int(order[r]) // k] * w.reshape(-1)[order[r]] for r in range(t * k)])
+    ref_gw = torch.tensor([[float(gf[i] @ xf[row[i, j]]) for j in range(k)] for i in range(t)])
+    ref_gx = torch.stack([sum(xf[row[i, j]] for j in range(k)) for i in range(t)])
+    for name, ref, a, b in zip(("y", "g_back", "g_w", "g_x"), (ref_y, ref_gb, ref_gw, ref_gx), got, kernels):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a.float(), ref) <= tol, name
+        assert rel_err(b.float(), ref) <= tol, name
+    assert torch.allclose(ref_gx, k * x.float(), atol=tol * k)  # each token's K rows are copies of it

@@ -1,5 +1,8 @@
 """Dense fusion: the dense part of a lowered forward/backward graph compiled with inductor.
 
+    inline    first, on a copy: the routed-row ops that are index arithmetic (unpermute, its backward,
+              permute's backward) become aten nodes, so they fuse with the dense code around them
+              (row_decompositions.py)
     split     the lowered graph, in node order, into maximal runs of pure aten nodes ("segments")
               and the opaque nodes between them: every moe::/moe_triton::/moe_cp:: op, lease op,
               collective, or anything with side effects (by schema or effect registration)
@@ -18,12 +21,12 @@ reordering inductor does there is safe. ``prog.graphs[kind]`` keeps the unsplit 
     dense_fusion="none"      the lowered graph runs as it is
     dense_fusion="auto"      per device (AUTO_DEFAULT), by measurement:
         CPU   "none". benchmarks/one_rank_step.py (OLMoE-like, 4 layers, d=256, 16 experts, top-8,
-              4×256 tokens, one thread) measured the step on a quiet 2-core machine at 0.71× HF eager
-              with inductor against 0.85× without (medians; on a heavily shared machine 0.72 against
-              0.79, within the noise). The compile costs 2.3 s more per program with a warm inductor
-              cache and 2-3× as long cold (a C++ build per distinct segment), so 41 ms per step pays it
-              back after 60-400 steps, and on CPU this project compiles many short programs (tests,
-              demos) where that never happens. Long CPU runs should pass dense_fusion="inductor".
+              4×256 tokens, one thread) measured the step on a quiet 2-core machine at 0.70× HF eager
+              with inductor (row ops inlined) against 0.90× without (medians; 0.85 in an earlier run).
+              The compile costs 3.7 s more per program with a warm inductor cache and 2-3× as long
+              cold (a C++ build per distinct segment), so 61 ms per step pays it back after 60-400
+              steps, and on CPU this project compiles many short programs (tests, demos) where that
+              never happens. Long CPU runs should pass dense_fusion="inductor".
               Without a C++ compiler auto is "none" anyway.
         CUDA  "none": not measured yet (no GPU run of this option so far).
 """
@@ -39,6 +42,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..errors import OptionError
+from .row_decompositions import inline_row_ops
 
 DENSE_NAMESPACES = ("aten", "prims")
 # aten ops that move no data: a segment made only of these is not worth an inductor compile
@@ -93,12 +97,22 @@ def _computes(nodes: list[fx.Node]) -> bool:
 
 
 def split_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """Maximal runs of consecutive dense nodes, in graph order."""
+    """Maximal runs of consecutive dense nodes, in graph order; an inlined row op starts a new run.
+
+    The cut before an inlined row op makes its inputs materialised tensors: inside one segment
+    inductor would recompute a pointwise producer (say the norm backward that makes unpermute's
+    grad_y) once per routed row that reads it, K times over. Its outputs still fuse downstream."""
     runs: list[list[fx.Node]] = []
     opaque: set[fx.Node] = set()
     cur: list[fx.Node] = []
+    group = None
     for n in gm.graph.nodes:
         if _is_dense(n, opaque):
+            g = n.meta.get("moe_inlined_from")
+            if g is not None and g != group and cur:
+                runs.append(cur)
+                cur = []
+            group = g if g is not None else group
             cur.append(n)
             continue
         if n.op == "call_function":
@@ -151,7 +165,8 @@ def _segment_module(gm: fx.GraphModule, seg: list[fx.Node], later_users: set[fx.
 
 def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
     """An executable copy of ``gm`` whose dense segments run as inductor kernels; returns it and a
-    summary (segments compiled, nodes in them, opaque nodes kept)."""
+    summary (segments compiled, nodes in them, opaque nodes kept, row ops inlined)."""
+    gm, inlined = inline_row_ops(gm)
     segs = [s for s in split_segments(gm) if _computes(s)]
     in_seg = {n: i for i, s in enumerate(segs) for n in s}
     out_g = fx.Graph()
@@ -187,7 +202,7 @@ def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
             setattr(root, n.target, getattr(gm, n.target))
     out = fx.GraphModule(root, out_g)
     summary = {"segments": len(segs), "fused_nodes": len(in_seg),
-               "kept_nodes": sum(1 for n in out_g.nodes if n.op == "call_function")}
+               "kept_nodes": sum(1 for n in out_g.nodes if n.op == "call_function"), "inlined_row_ops": inlined}
     return out, summary
 
 
