@@ -5,8 +5,8 @@
     moe_none          moe_compile(model, dense_fusion="none")
     moe_inductor      moe_compile(model, dense_fusion="inductor")
     gemm_floor        Σ self CPU time of aten::mm/addmm/bmm/_grouped_mm in a profiled moe_none step
-    gemm_attn_floor   gemm_floor + the SDPA kernels' self time (forward and backward): attention's two
-                      matrix products per head run inside them, at about the GEMMs' FLOP rate here
+    gemm_attn_floor   gemm_floor + the SDPA kernels' self time (forward and backward): attention's matrix
+                      products run inside them (with their softmax), so this bounds a floor that counts them
 
 Model: 4 layers, d=256, 16 experts, top-8 (as OLMoE), h_e=32, vocab 256; batch 4×256 tokens, fp32.
 Each path runs in its own process (compiles there, then waits); the parent asks them for timed steps

@@ -37,6 +37,12 @@ def _train_parser(sub) -> None:
                    help="microbatches per optimizer step (the pipeline schedule's m; at pp=1 accumulation)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
                    help="pipeline schedule for a mesh with pp>1 (torch.distributed.pipelining)")
+    p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
+                   help="recompute in backward: selective (elementwise ops and the router), moe (the MoE blocks), "
+                   "full (default: none)")
+    p.add_argument("--dense-fusion", choices=["auto", "inductor", "none"], default="auto",
+                   help="compile the dense part of the graphs with inductor (auto: none on CPU, where the compile "
+                   "pays back after some hundred steps; see README)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--ckpt", default=None, metavar="DIR", help="checkpoint directory")
@@ -54,6 +60,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     kw["model"] = args.hf or "tiny"
     if not kw.get("max_grad_norm"):
         kw["max_grad_norm"] = None
+    if kw.get("activation_checkpointing") == "none":
+        kw["activation_checkpointing"] = None
     return TrainConfig(**kw)
 
 

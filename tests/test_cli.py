@@ -40,6 +40,42 @@ def test_train_hf_family_single_rank(tmp_path):
     assert "done: qwen2_moe on mesh" in proc.stdout
 
 
+@pytest.mark.slow
+def test_train_recompute_option_keeps_the_losses(tmp_path):
+    """--activation-checkpointing reaches the compiled program (the summary counts the ops its backward
+    graph recomputes), and the losses and grad norms stay those of the plain run."""
+    from .common import cli_train, metric_rows
+
+    plain = cli_train(tmp_path, 1, "", 3, "plain.jsonl")
+    sel = cli_train(tmp_path, 1, "", 3, "sel.jsonl", "--activation-checkpointing", "selective")
+    assert "recompute" not in plain and "dense fusion" not in plain, plain
+    assert int(sel.split("recompute selective (")[1].split(" ops)")[0]) > 0, sel
+    a, b = metric_rows(tmp_path / "plain.jsonl"), metric_rows(tmp_path / "sel.jsonl")
+    assert [r[0] for r in a] == [r[0] for r in b] == [1, 2, 3]
+    for (_, la, ga), (_, lb, gb) in zip(a, b):
+        assert abs(la - lb) <= 1e-5 * abs(la) and abs(ga - gb) <= 1e-4 * abs(ga), (a, b)
+
+
+def test_train_compile_options_reach_the_program():
+    """The train command's --dense-fusion / --activation-checkpointing become the program's options
+    (inductor itself is tested in tests/test_dense_fusion.py; a cold compile here would cost a minute)."""
+    import argparse
+
+    from moe_compile.cli import _config, _train_parser
+    from moe_compile.train.loop import build_model, compile_for
+
+    parser = argparse.ArgumentParser()
+    _train_parser(parser.add_subparsers(dest="command"))
+    cfg = _config(parser.parse_args(["train", "--dense-fusion", "inductor", "--activation-checkpointing", "full"]))
+    cm = compile_for(cfg, build_model(cfg))
+    assert (cm.program.options.dense_fusion, cm.program.options.activation_checkpointing) == ("inductor", "full")
+    cm.close()
+    cfg = _config(parser.parse_args(["train"]))
+    assert (cfg.dense_fusion, cfg.activation_checkpointing) == ("auto", None)
+    with pytest.raises(SystemExit):  # argparse names the choices on stderr
+        parser.parse_args(["train", "--dense-fusion", "fast"])
+
+
 def test_bad_mesh_is_reported(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "moe_compile.cli", "train", "--steps", "1", "--ranks", "1", "--mesh", "dp=2"],

@@ -49,6 +49,8 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (model in BF16, FP32 main weights) | mxfp8 (routed experts)
     grad_accum: int = 1  # m: microbatches per optimizer step (--microbatches)
     schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1
+    activation_checkpointing: str | None = None  # None | selective | moe | full (CompileOptions)
+    dense_fusion: str = "auto"  # auto | inductor | none (CompileOptions; auto is none on CPU)
     ckpt: str | None = None
     save_every: int = 0  # 0: only at the end (when --ckpt is given)
     resume: bool = False
@@ -90,7 +92,8 @@ def compile_for(cfg: TrainConfig, model: nn.Module) -> Any:
     mesh = MeshSpec.parse(cfg.mesh) if cfg.mesh else MeshSpec()
     extra = {"mxfp8": "experts"} if cfg.precision == "mxfp8" else {}
     return moe_compile(model, mesh, capacity_factor=cfg.capacity_factor, microbatches=cfg.grad_accum,
-                       schedule=cfg.schedule, **extra)
+                       schedule=cfg.schedule, activation_checkpointing=cfg.activation_checkpointing,
+                       dense_fusion=cfg.dense_fusion, **extra)
 
 
 def train_step(cm: Any, opt: OLMoDDPOptimizer, microbatches: list[torch.Tensor]) -> tuple[torch.Tensor, StepResult]:
@@ -204,8 +207,22 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
         "step_seconds": sum(steady) / len(steady) if steady else None,
         "tokens_per_second": tokens_per_step * len(steady) / sum(steady) if steady else None,
         "save_seconds": sum(saves) / len(saves) if saves else None,
+        "program": _program_facts(cm),
         "config": asdict(cfg),
     }
+
+
+def _program_facts(cm: Any) -> dict[str, Any]:
+    """How the compiled program runs what the config asked for: recompute and dense fusion (from the
+    lowered graphs of this rank's program; a pipeline stage's, on its own rank)."""
+    from ..ledger.memory import recomputed_ops
+
+    graphs = getattr(cm.program, "graphs", None) or {}
+    fusion = sorted({g.meta["moe_dense_fusion"]["mode"] for g in graphs.values() if "moe_dense_fusion" in g.meta})
+    fwd, bwd = graphs.get("forward"), graphs.get("backward")
+    return {"activation_checkpointing": cm.program.options.activation_checkpointing,
+            "recomputed_ops": recomputed_ops(fwd, bwd) if fwd is not None and bwd is not None else None,
+            "dense_fusion": fusion}
 
 
 def print_summary(s: dict[str, Any], out=sys.stdout) -> None:
@@ -219,6 +236,17 @@ def print_summary(s: dict[str, Any], out=sys.stdout) -> None:
         f"{s['seconds']:.1f}s | loss {s['first_loss']:.4f} → {s['final_loss']:.4f} | "
         f"step {s['step_seconds'] * 1000:.0f} ms | {s['tokens_per_second']:,.0f} tok/s "
         f"(first step incl. compile: {s['compile_and_first_step_seconds']:.1f}s)"
-        + (f" | {s['skipped_steps']} step(s) skipped" if s["skipped_steps"] else ""),
+        + (f" | {s['skipped_steps']} step(s) skipped" if s["skipped_steps"] else "")
+        + _program_note(s.get("program") or {}),
         file=out, flush=True,
     )
+
+
+def _program_note(p: dict[str, Any]) -> str:
+    """The summary's note on recompute and dense fusion, when either is on."""
+    note = ""
+    if p.get("activation_checkpointing"):
+        note += f" | recompute {p['activation_checkpointing']} ({p['recomputed_ops']} ops)"
+    if "inductor" in p.get("dense_fusion", ()):
+        note += " | dense fusion inductor"
+    return note
