@@ -7,8 +7,8 @@ so inductor fuses each into one loop with the dense code next to it.
 
 with ``pos`` the inverse of the expert order (``pos[order[r]] = r``: where row (t, k) landed). Their torch
 kernels scatter-add over [R, d] temporaries (R = T·K routed rows: 8× the tokens at top-8); written as
-gathers into token order, each output row is one reduction over K rows that inductor emits as a single
-loop with no [R, d] buffer and no zero-filled accumulator. The gathers sum the K rows in k order where
+gathers into token order, each output row is a sum of K gathered rows (unrolled over K) that inductor
+emits as a single loop with no [R, d] buffer and no zero-filled accumulator. The gathers sum the K rows in k order where
 the kernels add them in expert order, so results differ by rounding only (and reduced-precision inputs
 accumulate in float32 here).
 
