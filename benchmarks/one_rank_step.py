@@ -12,7 +12,10 @@ Model: 4 layers, d=256, 16 experts, top-8 (as OLMoE), h_e=32, vocab 256; batch 4
 Each path runs in its own process (compiles there, then waits); the parent asks them for timed steps
 round-robin, so machine drift hits every path alike; figures are medians over rounds.
 
-    python benchmarks/one_rank_step.py [--rounds 7] [--steps 2] [--threads 1] [--json out.json]
+    python benchmarks/one_rank_step.py [--rounds 7] [--steps 2] [--threads 1] [--device cpu] [--json out.json]
+
+``--device cuda`` runs every path on the GPU (benchmarks/gpu_check.py's dense_fusion part: the measurement
+that chooses dense_fusion="auto" on CUDA); the floors then sum the GEMM and attention ops' device time.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def build(path: str, args):
 
     torch.manual_seed(0)
     model = tiny_hf_model("olmoe", layers=args.layers, d=args.d, experts=args.experts, top_k=args.top_k,
-                          hidden=args.h_e)
+                          hidden=args.h_e).to(args.device)
     impl = getattr(model.config, "_experts_implementation", None)
     if path == "torch_compile":
         model = torch.compile(model)
@@ -47,7 +50,7 @@ def build(path: str, args):
         from moe_compile import moe_compile
 
         model = moe_compile(model, dense_fusion=path[len("moe_"):])
-    x = torch.randint(3, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(3, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> float:
@@ -60,18 +63,23 @@ def build(path: str, args):
     return step, impl
 
 
-def gemm_seconds(step, steps: int) -> tuple[float, float, list]:
-    """Σ self CPU time per step of the GEMM ops and of the attention kernels, from the profiler; and the
-    top ops by self time."""
+def gemm_seconds(step, steps: int, device: str = "cpu") -> tuple[float, float, list]:
+    """Σ self time per step (CPU time, or the device time of their kernels on CUDA) of the GEMM ops and
+    of the attention kernels, from the profiler; and the top ops by that self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             step()
-    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    us = sum(e.self_cpu_time_total for e in ev if e.key in GEMM_OPS)
-    attn = sum(e.self_cpu_time_total for e in ev if e.key in ATTENTION_OPS)
-    return us / 1e6 / steps, attn / 1e6 / steps, [(e.key, e.self_cpu_time_total / 1e6 / steps, e.count // steps) for e in ev[:12]]
+
+    def self_us(e) -> float:
+        return e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
+
+    ev = sorted(prof.key_averages(), key=lambda e: -self_us(e))
+    us = sum(self_us(e) for e in ev if e.key in GEMM_OPS)
+    attn = sum(self_us(e) for e in ev if e.key in ATTENTION_OPS)
+    return us / 1e6 / steps, attn / 1e6 / steps, [(e.key, self_us(e) / 1e6 / steps, e.count // steps) for e in ev[:12]]
 
 
 def top_ops(tops: list[dict]) -> list:
@@ -97,7 +105,7 @@ def worker(path: str, args) -> None:
         if cmd == "quit":
             break
         if cmd == "gemm":
-            gemm, attn, top = gemm_seconds(step, args.steps)
+            gemm, attn, top = gemm_seconds(step, args.steps, args.device)
             out = {"gemm": gemm, "attention": attn, "top": top}
         else:
             t = time.perf_counter()
@@ -121,11 +129,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args)
-    keys = ("steps", "threads", "layers", "d", "experts", "top_k", "h_e", "batch", "seq")
+    keys = ("steps", "threads", "layers", "d", "experts", "top_k", "h_e", "batch", "seq", "device")
     forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     env = {"OMP_NUM_THREADS": str(args.threads)}
     procs = {}
@@ -158,7 +167,7 @@ def main() -> None:
         procs[p].wait()
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     res = {"config": {k: getattr(args, k) for k in ("layers", "d", "experts", "top_k", "h_e", "batch", "seq",
-                                                     "threads", "rounds", "steps")},
+                                                     "threads", "rounds", "steps", "device")},
            "experts_impl": ready.get("hf_eager", {}).get("experts_impl"),
            "compile_seconds": {p: r["ready"] for p, r in ready.items()},
            "step_seconds": med, "samples": samples,
@@ -179,7 +188,7 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k:>26}: {v:.3f} of medians, {res['ratios_of_min'][k]:.3f} of minima")
     if res["moe_none_top_self_cpu"]:
-        print("moe_none, top self CPU per step (median over profiled rounds):")
+        print(f"moe_none, top self {'CUDA' if args.device == 'cuda' else 'CPU'} time per step (median over profiled rounds):")
         for name, sec, calls in res["moe_none_top_self_cpu"]:
             print(f"  {name:<48} {1000 * sec:8.1f} ms  {calls:5d} calls")
     if args.json:

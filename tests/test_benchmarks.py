@@ -48,9 +48,11 @@ def test_gpu_check_smoke_writes_one_json_per_part(tmp_path):
     run_script("gpu_check.py", "--smoke", "--budget", "900", "--out", str(tmp_path), timeout=1000)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["smoke"] and summary["ok"], summary
-    assert list(summary["parts"]) == ["env", "nvshmem", "train_step", "kernel_tests", "kernel_bench"], summary
+    assert list(summary["parts"]) == ["env", "nvshmem", "train_step", "kernel_tests", "kernel_bench",
+                                      "dense_fusion"], summary
     parts = {p: json.loads((tmp_path / f"{p}.json").read_text()) for p in summary["parts"]}
     assert parts["kernel_bench"]["status"] == "skipped"  # gpu_kernels.py --smoke: tests/test_codegen.py
+    assert parts["dense_fusion"]["status"] == "skipped"  # one_rank_step.py on CPU: the README's benchmark
     for p in ("env", "nvshmem", "train_step", "kernel_tests"):
         assert parts[p]["status"] == "ok", parts[p]
         assert parts[p]["wall_seconds"] > 0 and parts[p]["returncode"] == 0, parts[p]
