@@ -112,7 +112,7 @@ def split_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
             if g is not None and g != group and cur:
                 runs.append(cur)
                 cur = []
-            group = g if g is not None else group
+            group = g
             cur.append(n)
             continue
         if n.op == "call_function":

@@ -217,7 +217,7 @@ def _program_facts(cm: Any) -> dict[str, Any]:
     lowered graphs of this rank's program; a pipeline stage's, on its own rank)."""
     from ..ledger.memory import recomputed_ops
 
-    graphs = getattr(cm.program, "graphs", None) or {}
+    graphs = cm.program.graphs
     fusion = sorted({g.meta["moe_dense_fusion"]["mode"] for g in graphs.values() if "moe_dense_fusion" in g.meta})
     fwd, bwd = graphs.get("forward"), graphs.get("backward")
     return {"activation_checkpointing": cm.program.options.activation_checkpointing,
