@@ -61,6 +61,9 @@ def _worker(rank: int, world: int, store_dir: str, fn: Callable, args: tuple, q:
         store = dist.FileStore(os.path.join(store_dir, "store"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=init_timeout))
+        # every rank's gloo mesh is connected before fn runs: a rank that replaces the group at once
+        # (destroy + init) would otherwise close sockets a slower peer is still connecting through
+        dist.barrier()
         result = fn(rank, world, *args)
         dist.barrier()
         # Serialised by value: tensors sent through a multiprocessing queue refer to this process's
