@@ -347,20 +347,33 @@ def pp_cp_worker(rank: int, world: int, mesh: str, names: tuple[str, ...]) -> li
         model = _model(name, 2, **({"lb_coef": 0.0, "z_coef": 0.0} if name == "tiny" else {}))
         batches = make_batches(spec.dp, 4, 16, seed=4)
         ref_losses, ref_grads = dense_reference(model, batches, 2)
-        cm = moe_compile(model, spec, microbatches=2, schedule="1f1b")
         b = batches[spec.dense_coords(rank)[1]]
+        with torch.no_grad():  # forward-only reference: the weights train_step reads (no optimizer step)
+            dense = copy.deepcopy(model)(input_ids=b, labels=b)
+        cm = moe_compile(model, spec, microbatches=2, schedule="1f1b")
         loss = cm.train_step(input_ids=b, labels=b)
         grads = cm.full_grads()
         worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
+        with torch.no_grad():  # forward-only: this rank's shard of the logits, the whole sequences' loss
+            ev = cm(input_ids=b, labels=b)
+            pos = cm.cp_positions(b.shape[1])
+            with pytest.raises(OptionError, match="position_ids cannot be passed"):  # later stages derive them
+                cm(input_ids=b, labels=b, position_ids=torch.arange(b.shape[1]).expand_as(b))
         out.append({"name": name, "loss": loss.item(), "ref": ref_losses[spec.dense_coords(rank)[1]],
-                    "err": rel_err(grads[worst], ref_grads[worst]), "worst": worst})
+                    "err": rel_err(grads[worst], ref_grads[worst]), "worst": worst,
+                    "eval_logits_err": rel_err(ev.logits, dense.logits[:, pos]),
+                    "eval_loss": (ev.loss.item(), dense.loss.item())})
         cm.close()
     return out
 
 
 def test_pipeline_with_context_parallelism():
-    """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM and OLMoE."""
+    """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM and OLMoE; then
+    forward-only evaluation of the same batch: each rank's shard of the dense model's logits and its loss."""
     for rank, per in enumerate(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe"))):
         for r in per:
             assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), (rank, r)
             assert r["err"] <= TOL, (rank, r)
+            assert r["eval_logits_err"] <= TOL, (rank, r)
+            a, b = r["eval_loss"]
+            assert abs(a - b) <= TOL * abs(b), (rank, r)

@@ -250,8 +250,7 @@ class PipelineRuntime:
             from .context_parallel import shard_batch
 
             labels = kwargs.get("labels")
-            if "position_ids" in kwargs:
-                raise OptionError("pipeline with context parallelism: position_ids are the shard's own (pass none)")
+            _refuse_position_ids(kwargs)
             kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False)
             # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
             # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
@@ -324,15 +323,20 @@ class PipelineRuntime:
     def forward(self, args: tuple, kwargs: dict[str, Any]) -> PipelineOutput:
         """Forward-only evaluation of the whole batch (under torch.no_grad()): the stages run in turn,
         boundary activations travel point-to-point, and the last stage's logits (and loss, given
-        labels) are broadcast to every rank of the pipeline."""
+        labels) are broadcast to every rank of the pipeline. Under cp > 1 every rank runs its
+        sequence shard (as without a pipeline: runtime/context_parallel.py): the logits are the
+        shard's (positions ``cm.cp_positions(S)``), the loss the whole sequences' (the CP group's sum)."""
         if args:
             raise OptionError("a pipelined CompiledMoE takes its batch by keyword (input_ids=..., labels=...)")
-        if self.cm.program.mesh.cp > 1:
-            raise OptionError("forward-only evaluation of a pipeline with context parallelism (pp > 1 and cp > 1) is "
-                              "not supported; evaluate on a mesh with one of them")
         if torch.is_grad_enabled():
             raise OptionError("a pipelined CompiledMoE (pp > 1) trains through cm.train_step(input_ids=..., "
                               "labels=...); calling it directly is forward-only evaluation: use torch.no_grad()")
+        cp = self.cm.program.mesh.cp
+        if cp > 1:  # the shard's loss is its part of the whole batch's mean (num_items_in_batch: all tokens)
+            from .context_parallel import shard_batch
+
+            _refuse_position_ids(kwargs)
+            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank)
         outputs = ("logits", "loss") if kwargs.get("labels") is not None else ("logits",)
         key = (outputs, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in kwargs.items()
                                      if isinstance(v, torch.Tensor))))
@@ -358,6 +362,10 @@ class PipelineRuntime:
                     dist.send(t.contiguous(), group=cm.groups.pp, group_dst=(k + 1) % pp)
             else:
                 result = tuple(out)
+                if cp > 1 and "loss" in outputs:  # Σ over the CP group's shards: the whole sequences' loss
+                    loss = result[outputs.index("loss")].contiguous()
+                    dist.all_reduce(loss, group=cm.groups.cp)
+                    result = tuple(loss if i == outputs.index("loss") else t for i, t in enumerate(result))
         last = (S - 1) % pp
         final = stages[S - 1][1] if S - 1 in stages else None
         names = final.activations_out if final is not None else None
@@ -399,6 +407,12 @@ class PipelineRuntime:
 class PipelineOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+
+
+def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
+    if "position_ids" in kwargs:  # stages after the first derive their shard's positions (context_parallel pass)
+        raise OptionError("pipeline with context parallelism: every stage uses its shard's global positions "
+                          "0..S-1; position_ids cannot be passed (pass none)")
 
 
 def _weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
