@@ -195,3 +195,54 @@ def test_registered_recognizer_compiles_a_toy_family():
     for n, p in ref.named_parameters():
         scale = p.grad.abs().max().item() or 1.0
         assert (grads[n] - p.grad).abs().max().item() / scale <= 1e-5, n
+
+
+class _Cancelling(nn.Module):
+    """An embedding, one "MoE block" (``blk``) and a head; the scalar ``c`` multiplies a sum of the
+    block's outputs that cancels to ~1e-4 of its terms, so fp32 gets its gradient only to ~1e-3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 32)
+        self.blk = nn.Linear(32, 64)
+        with torch.no_grad():  # second half ≈ first half: their difference cancels
+            self.blk.weight[32:] = self.blk.weight[:32] * (1 + 1e-4)
+            self.blk.bias[32:] = self.blk.bias[:32]
+        self.head = nn.Linear(64, 64)
+        self.c = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, input_ids, labels):
+        z = self.blk(self.emb(input_ids))
+        loss = nn.functional.cross_entropy(self.head(z).flatten(0, 1), labels.flatten())
+        return type("Out", (), {"loss": loss + self.c * (z[..., :32] - z[..., 32:]).sum()})()
+
+
+def test_fp32_parity_rule_allows_rounding_noise_and_catches_errors():
+    """The fallback rule: a gradient off the fp32 dense one by as much as a rounding-level change of the
+    rewritten block moves it passes; one 100× further off fails, naming the parameter."""
+    from moe_compile.families import _fp64_parity, _grads, _Jitter
+
+    batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    model = _Cancelling()
+
+    def grads(m, jitter=None):
+        m = copy.deepcopy(m)
+        if jitter is not None:
+            m.blk.register_forward_hook(lambda mod, i, out: _Jitter.apply(out, jitter))
+        torch.stack([m(input_ids=b, labels=b).loss for b in batches]).mean().backward()
+        return _grads(m)
+
+    ref = grads(model)
+    noisy = grads(model, jitter=7)  # another rounding of the block (a seed the rule does not use)
+    moved = _rel(noisy["c"], ref["c"])
+    assert moved > 1e-5  # ill-conditioned: fp32 alone misses the 1e-5 tolerance
+    ok, note = _fp64_parity(copy.deepcopy(model), batches, noisy, ref, 1e-5, ["blk"])
+    assert ok, note
+    wrong = dict(noisy, c=ref["c"] + 100 * (noisy["c"] - ref["c"]))
+    ok, note = _fp64_parity(copy.deepcopy(model), batches, wrong, ref, 1e-5, ["blk"])
+    assert not ok and note.startswith("c: "), note
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
