@@ -110,6 +110,7 @@ def ep_mp_2_families() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)  # all families (MOE_COMPILE_ALL_FAMILIES=1) take over the suite's 600 s default
 def test_ep_mp_2():
     results = run_ranks(sweep_worker, 2, ep_mp_2_families(), "ep_mp=2", timeout=1800)
     bad = []
