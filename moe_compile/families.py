@@ -184,7 +184,7 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
     compute those blocks in another order, and an ill-conditioned gradient (a sum that cancels to 1e-5
     of its terms, as the gated-delta-rule decay's) moves by up to 10× more under such a change than the
     one fp32 dense run's error shows (Qwen3.5-MoE's dt_bias: 4.3e-6 unjittered, up to 3.7e-5 jittered)."""
-    jittered = [_jittered_grads(model, batches, list(blocks), seed) for seed in range(JITTER_RUNS)] if blocks else []
+    fp32_model = copy.deepcopy(model)  # model itself becomes the fp64 one
     try:
         model = model.double()
         if hasattr(model, "set_experts_implementation"):
@@ -193,6 +193,7 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
         exact = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     except Exception as e:  # noqa: BLE001 - no fp64 reference: the fp32 verdict stands
         return False, f"no fp64 reference ({_first_line(e)})"
+    jittered = [_jittered_grads(fp32_model, batches, list(blocks), seed) for seed in range(JITTER_RUNS)] if blocks else []
     worst = (0.0, 0.0, "")
     for n in grads:
         if _rel(grads[n], ref_grads[n]) <= tol or n not in exact:

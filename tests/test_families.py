@@ -222,7 +222,7 @@ class _Cancelling(nn.Module):
 def test_fp32_parity_rule_allows_rounding_noise_and_catches_errors():
     """The fallback rule: a gradient off the fp32 dense one by as much as a rounding-level change of the
     rewritten block moves it passes; one 100× further off fails, naming the parameter."""
-    from moe_compile.families import _fp64_parity, _grads, _Jitter
+    from moe_compile.families import _fp64_parity, _grads, _Jitter, _rel
 
     batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     model = _Cancelling()
@@ -243,7 +243,3 @@ def test_fp32_parity_rule_allows_rounding_noise_and_catches_errors():
     wrong = dict(noisy, c=ref["c"] + 100 * (noisy["c"] - ref["c"]))
     ok, note = _fp64_parity(copy.deepcopy(model), batches, wrong, ref, 1e-5, ["blk"])
     assert not ok and note.startswith("c: "), note
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -363,9 +363,10 @@ class PipelineRuntime:
             else:
                 result = tuple(out)
                 if cp > 1 and "loss" in outputs:  # Σ over the CP group's shards: the whole sequences' loss
-                    loss = result[outputs.index("loss")].contiguous()
-                    dist.all_reduce(loss, group=cm.groups.cp)
-                    result = tuple(loss if i == outputs.index("loss") else t for i, t in enumerate(result))
+                    from ..ops.context_parallel import LossSum
+
+                    i = outputs.index("loss")
+                    result = (*result[:i], LossSum.apply(result[i], cm.groups.cp), *result[i + 1:])
         last = (S - 1) % pp
         final = stages[S - 1][1] if S - 1 in stages else None
         names = final.activations_out if final is not None else None
