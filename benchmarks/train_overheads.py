@@ -60,9 +60,10 @@ def overheads_rank(rank: int, world: int, mesh: str, d_model: int, batch: int, s
     x = stream.batch(rank)
     runs = {}
     for v in variants:  # one model per variant, the same weights
-        mode, _, op = v.partition("/")
+        spec, _, transport = v.partition("@")
+        mode, _, op = spec.partition("/")
         cm = moe_compile(build_model(cfg), MeshSpec.parse(mesh), capacity_factor=cfg.capacity_factor,
-                         grad_reduction=mode, **extra)
+                         grad_reduction=mode, grad_transport=transport or "auto", **extra)
         rs = {"": None, "all_reduce": False, "reduce_scatter": True}[op]
         runs[v] = (cm, OLMoDDPOptimizer(cm, lr=1e-3, max_grad_norm=1.0, reduce_scatter=rs))
 
@@ -144,9 +145,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--meshes", default="4:ep_mp=2,2:ep_mp=2,2:ep_mp=1", help="RANKS:MESH,... (default: %(default)s)")
-    ap.add_argument("--reduction", default="in_graph,in_graph/reduce_scatter,hooks",
-                    help="MODE[/OP] variants (MODE: in_graph | hooks; OP: reduce_scatter | all_reduce), the first "
-                    "one is the main table's (default: %(default)s)")
+    ap.add_argument("--reduction", default="in_graph,in_graph/reduce_scatter,hooks,in_graph@process_group",
+                    help="MODE[/OP][@TRANSPORT] variants (MODE: in_graph | hooks; OP: reduce_scatter | all_reduce; "
+                    "TRANSPORT: the grad_transport option, auto unless given), the first one is the main table's "
+                    "(default: %(default)s)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size (default: the option's)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--d-model", type=int, default=128, help="tiny LM width (default: %(default)s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import socket
 from typing import Any
 
@@ -250,4 +251,28 @@ def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistribute
         ParamFamily("expert", expert, groups.ep_dp if spec.ep_dp > 1 else None, 1.0 / spec.ep_dp,
                     pre_scale=spec.cp / spec.ep_mp),
     ]
-    return MultiGroupDistributedDataParallel(fams, bucket_bytes=int(program.options.bucket_mb * 2**20))
+    return MultiGroupDistributedDataParallel(fams, bucket_bytes=int(program.options.bucket_mb * 2**20),
+                                             host_shm=_grad_host_shm(program.options, fams, groups.device_type))
+
+
+def _grad_host_shm(opts: CompileOptions, fams: list[ParamFamily], device_type: str) -> bool:
+    """Whether the gradient buckets reduce through host shared memory (train/shm_reduce.py): CPU ranks,
+    x86-64 (the flags rely on its store order), every replica group on one host."""
+    groups = [f.group for f in fams if f.group is not None]
+    if opts.grad_transport == "process_group" or not groups or any(dist.get_backend(g) == "fake" for g in groups):
+        return False
+    why = None
+    if device_type != "cpu":
+        why = f"the parameters are on {device_type}, not CPU ranks"
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        why = f"its flags need x86-64 store order; this machine is {platform.machine()}"
+    else:
+        for g in groups:  # collective over each group, in family order on every rank
+            hosts: list = [None] * dist.get_world_size(g)
+            dist.all_gather_object(hosts, socket.gethostname(), group=g)
+            if len(set(hosts)) > 1:
+                why = f"a replica group spans hosts {sorted(set(hosts))}"
+    if why is not None and opts.grad_transport == "host_shm":
+        raise OptionError(f"grad_transport='host_shm' reduces gradients through one host's shared memory, but {why}; "
+                          "use grad_transport='process_group' (or 'auto')")
+    return why is None

@@ -13,6 +13,7 @@ MXFP8_MODES = (None, "experts", "experts+shared", "all")
 MXFP8_SCALE_MODES = ("rceil", "floor")
 DENSE_FUSIONS = ("auto", "inductor", "none")  # see codegen/dense_fusion.py
 GRAD_REDUCTIONS = ("in_graph", "hooks")
+GRAD_TRANSPORTS = ("auto", "process_group", "host_shm")  # see train/shm_reduce.py
 AC_MODES = (None, "selective", "moe", "full")  # see passes/activation_checkpointing.py
 
 
@@ -41,6 +42,9 @@ class CompileOptions:
     grad_reduction: str = "in_graph"  # where bucket all-reduces start: in_graph (nodes of the compiled backward,
     #                 overlapping it; forwards_in_flight > 1 keeps the hooks) | hooks (autograd hooks after the
     #                 compiled backward: for parameters also used outside the compiled graph)
+    grad_transport: str = "auto"  # how bucket reductions move gradients: process_group (torch.distributed
+    #                 all-reduce / reduce-scatter) | host_shm (CPU ranks of one x86-64 host: shared memory, each
+    #                 member sums the peers' buckets) | auto (host_shm where it can run, else process_group)
     microbatches: int = 1  # m: microbatches of cm.train_step (pipeline schedule, or accumulation at pp=1)
     schedule: str = "1f1b"  # pipeline schedule (torch.distributed.pipelining): gpipe | 1f1b | interleaved_1f1b
     stages_per_rank: int | None = None  # v: pipeline stages per rank (None: 2 for interleaved_1f1b, else 1)
@@ -83,6 +87,8 @@ class CompileOptions:
                               f"{AC_MODES}")
         if self.grad_reduction not in GRAD_REDUCTIONS:
             raise OptionError(f"grad_reduction={self.grad_reduction!r}: supported values are {GRAD_REDUCTIONS}")
+        if self.grad_transport not in GRAD_TRANSPORTS:
+            raise OptionError(f"grad_transport={self.grad_transport!r}: supported values are {GRAD_TRANSPORTS}")
         if self.bucket_mb <= 0:
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
 

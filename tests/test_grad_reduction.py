@@ -6,6 +6,9 @@ The ZeRO-1 optimizer is attached, so the buckets are reduce-scattered into its o
 
 from __future__ import annotations
 
+import platform
+from unittest import mock
+
 import pytest
 import torch
 
@@ -66,16 +69,17 @@ def _structure(cm) -> dict:
     }
 
 
-def reduction_worker(rank: int, world: int, mode: str) -> dict:
+def reduction_worker(rank: int, world: int, mode: str, transport: str = "auto") -> dict:
     model = build_model("tiny")
     a, b, c = (make_batches(world, seed=s) for s in (1, 2, 3))
     _, ref_a = dense_reference(model, a)
     _, ref_b = dense_reference(model, b)
     _, ref_c = dense_reference(model, c)
     ref_ab = {n: ref_a[n] + ref_b[n] for n in ref_a}
-    cm = moe_compile(model, MeshSpec.parse("ep_mp=1"), grad_reduction=mode, bucket_mb=0.05)
+    cm = moe_compile(model, MeshSpec.parse("ep_mp=1"), grad_reduction=mode, bucket_mb=0.05, grad_transport=transport)
     OLMoDDPOptimizer(cm, lr=0.0, reduce_scatter=True)  # both families over groups of 2 ranks
-    out: dict = {"sharded": all(b.shards is not None for b in cm.ddp.buckets)}
+    out: dict = {"sharded": all(b.shards is not None for b in cm.ddp.buckets),
+                 "host_shm": [b.shm_group is not None for b in cm.ddp.buckets]}
 
     with cm.no_sync():  # accumulation: only the second backward reduces
         cm(a[rank], labels=a[rank]).loss.backward()
@@ -117,10 +121,14 @@ def reduction_worker(rank: int, world: int, mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["in_graph", pytest.param("hooks", marks=pytest.mark.slow)])
-def test_reduction_in_backward_graph(mode):
-    for r in run_ranks(reduction_worker, 2, mode):
+@pytest.mark.parametrize("mode,transport", [("in_graph", "auto"), ("in_graph", "process_group"),
+                                            pytest.param("hooks", "auto", marks=pytest.mark.slow)])
+def test_reduction_in_backward_graph(mode, transport):
+    """auto: CPU ranks of one x86-64 host reduce through host shared memory (train/shm_reduce.py)."""
+    shm = transport == "auto" and platform.machine() in ("x86_64", "AMD64")
+    for r in run_ranks(reduction_worker, 2, mode, transport):
         assert r["sharded"] and r["main_grad_refused"], r
+        assert r["host_shm"] == [shm] * r["buckets"], r
         assert r["owned_err"] <= 1e-5 and r["accum_err"] <= 1e-5 and r["next_err"] <= 1e-5, r
         if mode == "hooks":  # the explicit fallback: the graph returns every gradient, hooks reduce
             assert r["ready"] == 0 and r["param_outputs"] == 18, r
@@ -134,3 +142,66 @@ def test_reduction_in_backward_graph(mode):
 def test_grad_reduction_option():
     with pytest.raises(OptionError, match="grad_reduction"):
         CompileOptions(grad_reduction="overlap")
+    with pytest.raises(OptionError, match="grad_transport='nccl'.*process_group"):
+        CompileOptions(grad_transport="nccl")
+
+
+def shm_worker(rank: int, world: int) -> dict:
+    """All-reduce and reduce-scatter through host shared memory against torch's own sum of the members'
+    tensors, every member's result bit for bit the same; a member that never starts fails the others' wait
+    with the ranks named; grad_transport='host_shm' where its flags cannot work is refused."""
+    import torch.distributed as dist
+
+    from moe_compile.runtime.symmetric import host
+    from moe_compile.train.shm_reduce import HostShmReduction
+
+    out: dict = {}
+    gens = [torch.Generator().manual_seed(10 + m) for m in range(world)]
+    inputs = [[torch.randn(1000, generator=g) for g in gens] for _ in range(3)]  # 3 rounds, one per member
+    red = HostShmReduction(dist.group.WORLD, "dense")
+    b = red.bucket(1000, torch.float32)
+    sums = []
+    for r, xs in enumerate(inputs):
+        flat = xs[rank].clone()
+        b.start(flat, flat).wait()
+        want = xs[0].double() + sum(x.double() for x in xs[1:])
+        out[f"err{r}"] = (flat.double() - want).abs().max().item()
+        sums.append(flat)
+    got = [torch.empty(3000) for _ in range(world)]
+    dist.all_gather(got, torch.cat(sums))
+    out["same_bits"] = all(torch.equal(got[0], t) for t in got)
+    rows = torch.stack([torch.full((5,), 10.0 * m + rank) for m in range(world)])  # row m goes to member m
+    rs = red.bucket(rows.numel(), torch.float32)
+    mine = torch.empty(5)
+    rs.start(rows, mine, (rank * 5, rank * 5 + 5)).wait()
+    out["scatter"] = torch.equal(mine, torch.full((5,), 10.0 * rank * world + sum(range(world))))
+
+    host.BARRIER_TIMEOUT_S = 2.0  # member 1 never starts round 4
+    if rank == 0:
+        try:
+            b.start(inputs[0][0].clone(), torch.empty(1000)).wait()
+        except RuntimeFault as e:
+            out["late"] = str(e)
+    dist.barrier()
+
+    with mock.patch("platform.machine", return_value="aarch64"):
+        try:
+            moe_compile(build_model("tiny"), MeshSpec.parse("ep_mp=1"), grad_transport="host_shm")
+        except OptionError as e:
+            out["refused"] = str(e)
+        cm = moe_compile(build_model("tiny"), MeshSpec.parse("ep_mp=1"))  # auto: the process group there
+        out["auto_elsewhere"] = [bk.shm_group is not None for bk in cm.ddp.buckets]
+        cm.close()
+    return out
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the shm flags need x86-64 store order")
+def test_host_shm_reduction():
+    results = run_ranks(shm_worker, 2)
+    for r in results:
+        assert max(r[f"err{k}"] for k in range(3)) <= 2e-6, r  # fp32 sum of 2 members (|x| < 10)
+        assert r["same_bits"] and r["scatter"], r
+        assert r["refused"].startswith("grad_transport='host_shm'") and "aarch64" in r["refused"], r
+        assert r["auto_elsewhere"] and not any(r["auto_elsewhere"]), r
+    late = results[0]["late"]
+    assert "dense gradient bucket (1000 elements), round 4: ranks [1]" in late and "did not arrive" in late, late

@@ -240,7 +240,9 @@ class count_all_reduce_bytes:
 def measured_worker(rank: int, world: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    cm = moe_compile(build_model("tiny"), MeshSpec(ep_mp=2))  # 4 ranks: dp=4, ep_dp=2, ep_mp=2
+    # 4 ranks: dp=4, ep_dp=2, ep_mp=2; the buckets through torch.distributed, whose all_reduce is counted (the
+    # ledger's traffic is the collectives'; CPU ranks would otherwise reduce through host shared memory)
+    cm = moe_compile(build_model("tiny"), MeshSpec(ep_mp=2), grad_transport="process_group")
     batch = make_batches(world, batch=4, seq=64, seed=3)[rank]
     opt = torch.optim.AdamW(cm.parameters(), lr=1e-3)
     cm(input_ids=batch, labels=batch).loss.backward()  # compile

@@ -24,7 +24,11 @@ ranges only (``owned_grad``), half the all-reduce's traffic; the flat bucket the
 local gradient, and ``main_grad`` refuses (``full_grad`` gathers, collectively).
 
 A bucket's reduction (all-reduce or reduce-scatter) starts (async) as soon as all its gradients are
-in, in bucket order on every rank (collectives must match across ranks). Two ways the gradients come in:
+in, in bucket order on every rank (collectives must match across ranks). It runs over the family's
+process group, or (``host_shm``: CPU ranks of one x86-64 host, the grad_transport option) through host
+shared memory (train/shm_reduce.py): the start copies the bucket into this rank's segment, the wait
+sums the members' segments; a gloo collective's latency among CPU processes is what the last bucket
+would otherwise expose. Two ways the gradients come in:
 
     in graph (default; passes/grad_reduction.py): the compiled backward itself adds each gradient
         into its bucket (``graph_ready``, a moe_ddp:: node right after the bucket's last gradient is
@@ -63,6 +67,7 @@ import torch.nn as nn
 
 from ..errors import MoECompileError, RuntimeFault
 from .grad_shards import BucketShards
+from .shm_reduce import HostShmReduction, ShmBucket
 
 # ctx_id → the reducer of that program (graph nodes carry ints; see attach)
 _REDUCERS: weakref.WeakValueDictionary[int, MultiGroupDistributedDataParallel] = weakref.WeakValueDictionary()
@@ -95,6 +100,16 @@ class GradBucket:
     ready: set[int] = field(default_factory=set)
     work: object = None
     shards: BucketShards | None = None  # reduce-scatter into the ZeRO-1 owned ranges (shard_gradients)
+    shm_group: HostShmReduction | None = None  # reduce through host shared memory (train/shm_reduce.py)
+    shm: ShmBucket | None = None  # this bucket's segment, allocated at its first reduction
+
+    def shm_bucket(self) -> ShmBucket:
+        """The shared-memory segment for the next reduction (collective over the group the first time,
+        and again when sharding changed the send's size)."""
+        numel = self.shards.send.numel() if self.shards is not None else self.flat.numel()
+        if self.shm is None or self.shm.data.local.numel() != numel:
+            self.shm = self.shm_group.bucket(numel, self.flat.dtype)
+        return self.shm
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -125,8 +140,10 @@ class GradBucket:
 
 class MultiGroupDistributedDataParallel:
     def __init__(self, families: list[ParamFamily], bucket_bytes: int = 25 * 2**20,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, host_shm: bool = False) -> None:
         self.families = families
+        # host_shm: reduce over host shared memory (CPU ranks of one host; collective over each family's group)
+        self._shm = {f.name: HostShmReduction(f.group, f.name) for f in families if host_shm and f.group is not None}
         self.bucket_bytes = bucket_bytes
         self.buckets: list[GradBucket] = []
         self._where: dict[int, tuple[GradBucket, int]] = {}
@@ -197,7 +214,8 @@ class MultiGroupDistributedDataParallel:
             offsets.append(n)
             n += p.numel()
         dev = params[0].device
-        b = GradBucket(fam.name, fam.group, fam.scale, list(params), torch.zeros(n, dtype=dtype, device=dev), offsets)
+        b = GradBucket(fam.name, fam.group, fam.scale, list(params), torch.zeros(n, dtype=dtype, device=dev), offsets,
+                       shm_group=self._shm.get(fam.name))
         if self._shard and fam.group is not None:
             b.shards = BucketShards(b.flat, offsets, [p.numel() for p in params], fam.group)
         for i, p in enumerate(params):
@@ -368,8 +386,11 @@ class MultiGroupDistributedDataParallel:
                 return
             for i in range(len(b.params)):
                 b.adopt(i)
+            shm = b.shm_bucket() if b.shm_group is not None else None
             if b.shards is not None:
-                b.work = b.shards.launch()
+                b.work = b.shards.launch(shm)
+            elif shm is not None:
+                b.work = shm.start(b.flat, b.flat)
             elif b.group is not None:
                 b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
             self._next += 1
@@ -420,6 +441,7 @@ class MultiGroupDistributedDataParallel:
 
     def bucket_summary(self) -> list[dict[str, object]]:
         return [
-            {"family": b.family, "dtype": str(b.flat.dtype), "params": len(b.params), "bytes": b.nbytes}
+            {"family": b.family, "dtype": str(b.flat.dtype), "params": len(b.params), "bytes": b.nbytes,
+             "transport": "none" if b.group is None else "host_shm" if b.shm_group is not None else "process_group"}
             for b in self.buckets
         ]

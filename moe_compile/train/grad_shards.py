@@ -22,8 +22,13 @@ reduced total, as an all-reduce of the accumulated bucket would.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .shm_reduce import ShmBucket
 
 
 def chunk_range(n: int, g: int, q: int) -> tuple[int, int]:
@@ -44,8 +49,9 @@ class BucketShards:
         self.out = torch.zeros(width, dtype=flat.dtype, device=flat.device)
         self._flat, self._offsets, self._numels = flat, offsets, numels
 
-    def launch(self):
-        """Pack the flat gradient into per-rank rows and start the reduce-scatter (async)."""
+    def launch(self, shm: ShmBucket | None = None):
+        """Pack the flat gradient into per-rank rows and start the reduce-scatter (async): over the
+        process group, or through ``shm``, a host shared-memory bucket of the send's size."""
         for off, n, c, col in zip(self._offsets, self._numels, self.widths, self.cols):
             if not n:
                 continue
@@ -54,6 +60,9 @@ class BucketShards:
             self.send[:full, col: col + c].copy_(v[: full * c].view(full, c))
             if rest:
                 self.send[full, col: col + rest].copy_(v[full * c:])
+        if shm is not None:
+            width = self.out.numel()
+            return shm.start(self.send, self.out, (self.q * width, (self.q + 1) * width))
         return dist.reduce_scatter_tensor(self.out, self.send.view(-1), group=self.group, async_op=True)
 
     def owned(self, i: int) -> torch.Tensor:

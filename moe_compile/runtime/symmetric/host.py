@@ -14,6 +14,7 @@ import os
 import platform
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,21 @@ def cleanup_prefix(prefix: str) -> list[str]:
                 except FileNotFoundError:
                     pass
     return removed
+
+
+def spin_until(ready: Callable[[], bool], late: Callable[[], str], timeout_s: float | None = None) -> None:
+    """Poll ``ready()`` until it holds, yielding the core between polls (ranks may outnumber cores);
+    after ``timeout_s`` raise a RuntimeFault that starts with ``late()`` (who did not arrive)."""
+    timeout_s = BARRIER_TIMEOUT_S if timeout_s is None else timeout_s
+    spins, deadline = 0, None
+    while not ready():
+        spins += 1
+        if spins > 64:
+            time.sleep(0 if spins < 2000 else 1e-5)  # yield: ranks may outnumber cores
+        if spins % 4096 == 0:
+            deadline = deadline or time.monotonic() + timeout_s
+            if time.monotonic() > deadline:
+                raise RuntimeFault(f"{late()} did not arrive within {timeout_s:.0f} s")
 
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
@@ -102,24 +118,21 @@ class HostShmHeap(SymmetricHeap):
         # barrier first may already be writing into it
         return SymmetricBuffer(name, tuple(shape), dtype, views, self.rank)
 
+    @property
+    def shm_signal(self) -> bool:
+        """Whether ranks may signal through flags in shared memory (x86-64 store order), not only barriers."""
+        return self._shm_signal
+
     def barrier(self) -> None:
         if not self._shm_signal:
             dist.barrier(group=self.group)
             return
         self._epoch += 1
-        flags = self._flags
-        flags[self.rank] = self._epoch
-        spins, deadline = 0, None
-        while int(flags.min()) < self._epoch:
-            spins += 1
-            if spins > 64:
-                time.sleep(0 if spins < 2000 else 1e-5)  # yield: ranks may outnumber cores
-            if spins % 4096 == 0:
-                deadline = deadline or time.monotonic() + BARRIER_TIMEOUT_S
-                if time.monotonic() > deadline:
-                    late = [r for r in range(self.size) if int(flags[r]) < self._epoch]
-                    raise RuntimeFault(f"host shared-memory barrier {self._epoch} of {self.prefix}: EP-group "
-                                       f"ranks {late} did not arrive within {BARRIER_TIMEOUT_S:.0f} s")
+        flags, epoch = self._flags, self._epoch
+        flags[self.rank] = epoch
+        spin_until(lambda: int(flags.min()) >= epoch,
+                   lambda: f"host shared-memory barrier {epoch} of {self.prefix}: EP-group ranks "
+                           f"{[r for r in range(self.size) if int(flags[r]) < epoch]}")
 
     @property
     def allocated_bytes(self) -> int:
