@@ -31,6 +31,7 @@ from .runtime import (
 )
 from .runtime.lease_runtime import LeaseRuntime
 from .runtime.symmetric import make_heap
+from .runtime.symmetric.host import shm_signals_supported
 from .runtime.symmetric_transport import SymmetricTransport
 from .train import MultiGroupDistributedDataParallel, ParamFamily
 
@@ -174,6 +175,13 @@ def _device_type(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
+def _hosts(group: dist.ProcessGroup) -> set[str]:
+    """The host names of the group's ranks (collective over the group)."""
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return set(names)
+
+
 def make_transport(spec: MeshSpec, groups, opts: CompileOptions, stats: RuntimeStats):
     """(transport, lease runtime or None, resolved kind) for this rank's EP-MP group."""
     if groups is None or spec.ep_mp == 1:
@@ -181,14 +189,13 @@ def make_transport(spec: MeshSpec, groups, opts: CompileOptions, stats: RuntimeS
     kind = opts.transport
     # CPU ranks share memory only on one host (GPUs reach peers through NVSHMEM); explain plans on a
     # fake process group, with no hosts to compare
-    hosts: list = []
+    hosts: set = set()
     if kind in ("auto", "symmetric") and groups.device_type == "cpu" and dist.get_backend(groups.ep_mp) != "fake":
-        hosts = [None] * spec.ep_mp
-        dist.all_gather_object(hosts, socket.gethostname(), group=groups.ep_mp)
-    one_host = len(set(hosts)) <= 1
+        hosts = _hosts(groups.ep_mp)
+    one_host = len(hosts) <= 1
     if kind == "symmetric" and not one_host:
         raise OptionError(f"transport='symmetric' on CPU ranks needs the EP-MP group on one host; its ranks "
-                          f"run on {sorted(set(hosts))}")
+                          f"run on {sorted(hosts)}")
     if kind == "auto":
         kind = "symmetric" if one_host and groups.device_type == "cpu" else "all_to_all"
     if kind == "symmetric":
@@ -264,14 +271,13 @@ def _grad_host_shm(opts: CompileOptions, fams: list[ParamFamily], device_type: s
     why = None
     if device_type != "cpu":
         why = f"the parameters are on {device_type}, not CPU ranks"
-    elif platform.machine() not in ("x86_64", "AMD64"):
+    elif not shm_signals_supported():
         why = f"its flags need x86-64 store order; this machine is {platform.machine()}"
     else:
         for g in groups:  # collective over each group, in family order on every rank
-            hosts: list = [None] * dist.get_world_size(g)
-            dist.all_gather_object(hosts, socket.gethostname(), group=g)
-            if len(set(hosts)) > 1:
-                why = f"a replica group spans hosts {sorted(set(hosts))}"
+            hosts = _hosts(g)
+            if len(hosts) > 1:
+                why = f"a replica group spans hosts {sorted(hosts)}"
     if why is not None and opts.grad_transport == "host_shm":
         raise OptionError(f"grad_transport='host_shm' reduces gradients through one host's shared memory, but {why}; "
                           "use grad_transport='process_group' (or 'auto')")

@@ -40,7 +40,6 @@ class HostShmReduction:
     def __init__(self, group: dist.ProcessGroup, family: str) -> None:
         self.heap = HostShmHeap(group)
         self.group, self.family = group, family
-        self.g, self.q = self.heap.size, self.heap.rank
 
     def bucket(self, numel: int, dtype: torch.dtype) -> ShmBucket:
         """A segment of ``numel`` elements per member (collective: every member, in the same order)."""
@@ -65,13 +64,13 @@ class ShmBucket:
         spin_until(lambda: all(int(v[which]) >= r for v in views),
                    lambda: f"{self.red.family} gradient bucket ({self.data.local.numel()} elements), round {r}: "
                            f"ranks {self.red.global_ranks([m for m, v in enumerate(views) if int(v[which]) < r])} "
-                           f"{what}")
+                           f"({what})")
 
     def start(self, src: torch.Tensor, out: torch.Tensor, part: tuple[int, int] | None = None) -> ShmBucket:
         if self._out is not None:
             self.wait()  # a previous round nobody waited for (an abandoned backward)
         r = self.round + 1
-        self._until(DONE, r - 1, f"(reading round {r - 1}) ")
+        self._until(DONE, r - 1, f"reading round {r - 1}")
         self.data.local.copy_(src.reshape(-1))
         self.flags.local[ARRIVED] = r  # after the data: x86-64 keeps the two stores in this order
         self.round, self._out = r, out
@@ -83,7 +82,7 @@ class ShmBucket:
         if out is None:
             return
         r = self.round
-        self._until(ARRIVED, r, "(their gradients) ")
+        self._until(ARRIVED, r, "their gradients")
         lo, hi = self._part
         views = [v[lo:hi] for v in self.data.views]
         flat = out.view(-1)

@@ -48,6 +48,12 @@ def cleanup_prefix(prefix: str) -> list[str]:
     return removed
 
 
+def shm_signals_supported() -> bool:
+    """Whether ranks may signal through flags in shared memory: x86-64 stores become visible in program
+    order (TSO), so data written before a flag is visible to a peer that sees the flag."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def spin_until(ready: Callable[[], bool], late: Callable[[], str], timeout_s: float | None = None) -> None:
     """Poll ``ready()`` until it holds, yielding the core between polls (ranks may outnumber cores);
     after ``timeout_s`` raise a RuntimeFault that starts with ``late()`` (who did not arrive)."""
@@ -92,7 +98,7 @@ class HostShmHeap(SymmetricHeap):
         self._epoch = 0
         # x86-64 stores become visible in program order (TSO): data written before the flag is
         # visible to a peer that sees the flag. Elsewhere fall back to the process group's barrier.
-        self._shm_signal = platform.machine() in ("x86_64", "AMD64")
+        self._shm_signal = shm_signals_supported()
         self._flags = self.alloc("signal", (self.size,), torch.int64).views[0] if self._shm_signal else None
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricBuffer:
@@ -117,11 +123,6 @@ class HostShmHeap(SymmetricHeap):
         # no zero_() here: a new segment is zero-filled (O_EXCL + ftruncate), and a peer that left the
         # barrier first may already be writing into it
         return SymmetricBuffer(name, tuple(shape), dtype, views, self.rank)
-
-    @property
-    def shm_signal(self) -> bool:
-        """Whether ranks may signal through flags in shared memory (x86-64 store order), not only barriers."""
-        return self._shm_signal
 
     def barrier(self) -> None:
         if not self._shm_signal:
