@@ -345,3 +345,57 @@ def test_route_map_matches_the_all_to_all_receive_layout():
             assert sum(n for *_, n in segs) == int(kept.sum())
             for d, s0, d0, n in segs:
                 assert torch.equal(dst_row[s0: s0 + n], torch.arange(d0, d0 + n)) and bool((dst[s0: s0 + n] == d).all())
+
+
+def _raise_later(path: str, delay_s: float, stamp) -> None:
+    import mmap
+    import time
+
+    from moe_compile.runtime.symmetric.host import raise_flag
+
+    fd = os.open(path, os.O_RDWR)
+    m = mmap.mmap(fd, 64)
+    os.close(fd)
+    flags = torch.frombuffer(m, dtype=torch.uint8, count=64).view(torch.int64)
+    time.sleep(delay_s)
+    stamp.value = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+    raise_flag(flags, 3, 7)
+
+
+@pytest.mark.skipif(not __import__("moe_compile.runtime.symmetric.futex", fromlist=["x"]).available(),
+                    reason="futexes: Linux x86-64 only")
+def test_flag_wait_sleeps_until_the_writer_wakes_it(monkeypatch, tmp_path):
+    """A rank waiting for a peer's shared-memory flag sleeps in the kernel (no polling CPU: ranks may
+    outnumber cores) and is woken by the write itself, not by its park timeout (raised to 5 s here)."""
+    import mmap
+    import multiprocessing as mp
+    import time
+
+    from moe_compile.runtime.symmetric import host
+
+    path = f"/dev/shm/moe_compile_test_futex_{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 64)
+        m = mmap.mmap(fd, 64)
+        flags = torch.frombuffer(m, dtype=torch.uint8, count=64).view(torch.int64)
+        monkeypatch.setattr(host, "PARK_S", 5.0)
+        ctx = mp.get_context("spawn")
+        stamp = ctx.Value("d", 0.0)
+        peer = ctx.Process(target=_raise_later, args=(path, 0.5, stamp))
+        cpu0 = time.process_time()
+        peer.start()
+        host.spin_until(lambda: int(flags[3]) >= 7, lambda: "peer", timeout_s=60,
+                        park=host.park_on([(flags, 3)], 7))
+        woke, cpu = time.monotonic(), time.process_time() - cpu0
+        peer.join(30)
+        assert stamp.value > 0 and woke - stamp.value < 1.0, (woke - stamp.value)  # not the 5 s park timeout
+        assert cpu < 0.1, f"the waiter used {cpu:.3f} s of CPU while sleeping"
+        flags[5] = 0  # a flag nobody raises: the wait ends at its deadline with the late peer named
+        monkeypatch.setattr(host, "PARK_S", 0.05)
+        with pytest.raises(RuntimeFault, match="peer 5 did not arrive"):
+            host.spin_until(lambda: int(flags[5]) >= 1, lambda: "peer 5", timeout_s=0.3,
+                            park=host.park_on([(flags, 5)], 1))
+    finally:
+        os.close(fd)
+        os.unlink(path)

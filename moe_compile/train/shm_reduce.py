@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime.symmetric.host import HostShmHeap, spin_until
+from ..runtime.symmetric.host import HostShmHeap, park_on, raise_flag, spin_until
 
 ARRIVED, DONE = 0, 1  # a member's flags: the last round it started, the last round it finished reading
 
@@ -64,7 +64,8 @@ class ShmBucket:
         spin_until(lambda: all(int(v[which]) >= r for v in views),
                    lambda: f"{self.red.family} gradient bucket ({self.data.local.numel()} elements), round {r}: "
                            f"ranks {self.red.global_ranks([m for m, v in enumerate(views) if int(v[which]) < r])} "
-                           f"({what})")
+                           f"({what})",
+                   park=park_on([(v, which) for v in views], r))
 
     def start(self, src: torch.Tensor, out: torch.Tensor, part: tuple[int, int] | None = None) -> ShmBucket:
         if self._out is not None:
@@ -72,7 +73,7 @@ class ShmBucket:
         r = self.round + 1
         self._until(DONE, r - 1, f"reading round {r - 1}")
         self.data.local.copy_(src.reshape(-1))
-        self.flags.local[ARRIVED] = r  # after the data: x86-64 keeps the two stores in this order
+        raise_flag(self.flags.local, ARRIVED, r)  # after the data: x86-64 keeps the two stores in this order
         self.round, self._out = r, out
         self._part = part or (0, src.numel())
         return self
@@ -92,5 +93,5 @@ class ShmBucket:
             torch.add(views[0], views[1], out=flat)
             for v in views[2:]:
                 flat.add_(v)
-        self.flags.local[DONE] = r
+        raise_flag(self.flags.local, DONE, r)
         self._out = None

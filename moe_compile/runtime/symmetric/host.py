@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import RuntimeFault
+from . import futex
 from .base import SymmetricBuffer, SymmetricHeap
 
 SHM_DIR = "/dev/shm"
@@ -54,19 +55,52 @@ def shm_signals_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
-def spin_until(ready: Callable[[], bool], late: Callable[[], str], timeout_s: float | None = None) -> None:
-    """Poll ``ready()`` until it holds, yielding the core between polls (ranks may outnumber cores);
-    after ``timeout_s`` raise a RuntimeFault that starts with ``late()`` (who did not arrive)."""
+def spin_until(ready: Callable[[], bool], late: Callable[[], str], timeout_s: float | None = None,
+               park: Callable[[], None] | None = None) -> None:
+    """Poll ``ready()`` until it holds; after a short spin, sleep in ``park()`` (a futex wait on a flag
+    not yet raised, see park_on) or, without one, yield the core between polls (ranks may outnumber
+    cores); after ``timeout_s`` raise a RuntimeFault that starts with ``late()`` (who did not arrive)."""
     timeout_s = BARRIER_TIMEOUT_S if timeout_s is None else timeout_s
     spins, deadline = 0, None
     while not ready():
         spins += 1
         if spins > 64:
-            time.sleep(0 if spins < 2000 else 1e-5)  # yield: ranks may outnumber cores
-        if spins % 4096 == 0:
+            if park is not None:
+                park()  # may sleep up to PARK_S: the deadline is checked after every one
+            else:
+                time.sleep(0 if spins < 2000 else 1e-5)  # yield: ranks may outnumber cores
+        if spins % 4096 == 0 or (park is not None and spins > 64):
             deadline = deadline or time.monotonic() + timeout_s
             if time.monotonic() > deadline:
                 raise RuntimeFault(f"{late()} did not arrive within {timeout_s:.0f} s")
+
+
+PARK_S = 0.05  # longest futex sleep before re-checking: bounds a wake that never comes (a crashed peer)
+
+
+def park_on(flags: list[tuple[torch.Tensor, int]], target: int) -> Callable[[], None] | None:
+    """A ``park`` for spin_until over int64 flags ``t[i]`` that their writers raise with raise_flag: sleep
+    on the first flag still below ``target`` until it changes. None where futexes are unavailable."""
+    if not futex.available():
+        return None
+    words = [(t, i, futex.word(t, i)) for t, i in flags]
+
+    def park() -> None:
+        for t, i, addr in words:
+            v = int(t[i])
+            if v < target:
+                futex.wait(addr, v, PARK_S)
+                return
+
+    return park
+
+
+def raise_flag(flags: torch.Tensor, i: int, value: int) -> None:
+    """``flags[i] = value`` (after the data it announces: x86-64 keeps stores in order), then wake the
+    peers sleeping on it."""
+    flags[i] = value
+    if futex.available():
+        futex.wake(futex.word(flags, i))
 
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
@@ -130,10 +164,11 @@ class HostShmHeap(SymmetricHeap):
             return
         self._epoch += 1
         flags, epoch = self._flags, self._epoch
-        flags[self.rank] = epoch
+        raise_flag(flags, self.rank, epoch)
         spin_until(lambda: int(flags.min()) >= epoch,
                    lambda: f"host shared-memory barrier {epoch} of {self.prefix}: EP-group ranks "
-                           f"{[r for r in range(self.size) if int(flags[r]) < epoch]}")
+                           f"{[r for r in range(self.size) if int(flags[r]) < epoch]}",
+                   park=park_on([(flags, r) for r in range(self.size)], epoch))
 
     @property
     def allocated_bytes(self) -> int:
