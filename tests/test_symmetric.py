@@ -23,6 +23,7 @@ from moe_compile.errors import IRError, RuntimeFault
 from moe_compile.leases import LeasePlan, Payload
 from moe_compile.passes.plan_leases import verify_lease_plan
 from moe_compile.runtime.lease_runtime import LeaseFault
+from moe_compile.runtime.symmetric import futex
 
 from .common import build_model, dense_reference, make_batches, rel_err
 from .harness import RankFailure, run_ranks
@@ -362,8 +363,7 @@ def _raise_later(path: str, delay_s: float, stamp) -> None:
     raise_flag(flags, 3, 7)
 
 
-@pytest.mark.skipif(not __import__("moe_compile.runtime.symmetric.futex", fromlist=["x"]).available(),
-                    reason="futexes: Linux x86-64 only")
+@pytest.mark.skipif(not futex.available(), reason="futexes: Linux x86-64 only")
 def test_flag_wait_sleeps_until_the_writer_wakes_it(monkeypatch, tmp_path):
     """A rank waiting for a peer's shared-memory flag sleeps in the kernel (no polling CPU: ranks may
     outnumber cores) and is woken by the write itself, not by its park timeout (raised to 5 s here)."""
