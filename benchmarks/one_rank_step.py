@@ -13,6 +13,13 @@ Each path runs in its own process (compiles there, then waits); the parent asks 
 round-robin, so machine drift hits every path alike; figures are medians over rounds.
 
     python benchmarks/one_rank_step.py [--rounds 7] [--steps 2] [--threads 1] [--device cpu] [--json out.json]
+                                       [--keep-freed-memory]
+
+Each path also reports its minor page faults per step: glibc returns freed blocks of several MB to the
+OS, so the next step's [T·K, d] buffers are faulted in (and zeroed by the kernel) again.
+``--keep-freed-memory`` runs the workers with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_
+raised so freed memory stays in the process: the same programs, without that cost (a process-wide
+allocator setting, so it is the user's to make, not moe_compile's).
 
 ``--device cuda`` runs every path on the GPU (benchmarks/gpu_check.py's dense_fusion part: the measurement
 that chooses dense_fusion="auto" on CUDA); the floors then sum the GEMM and attention ops' device time.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -108,10 +116,12 @@ def worker(path: str, args) -> None:
             gemm, attn, top = gemm_seconds(step, args.steps, args.device)
             out = {"gemm": gemm, "attention": attn, "top": top}
         else:
+            flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             for _ in range(args.steps):
                 step()
-            out = (time.perf_counter() - t) / args.steps
+            out = {"s": (time.perf_counter() - t) / args.steps,
+                   "minflt": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt) / args.steps}
         print(json.dumps(out), flush=True)
 
 
@@ -131,12 +141,16 @@ def main() -> None:
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="workers keep freed memory (glibc malloc thresholds raised): no page faults per step")
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args)
     keys = ("steps", "threads", "layers", "d", "experts", "top_k", "h_e", "batch", "seq", "device")
     forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    if args.keep_freed_memory:  # 4 GiB: above any buffer here, so glibc neither mmaps nor trims them
+        env.update(MALLOC_MMAP_THRESHOLD_=str(4 << 30), MALLOC_TRIM_THRESHOLD_=str(4 << 30))
     procs = {}
     ready = {}
     for p in args.paths.split(","):  # one at a time: compiles do not overlap each other or the timing
@@ -152,10 +166,13 @@ def main() -> None:
 
     samples: dict[str, list[float]] = {p: [] for p in procs}
     samples["gemm_floor"], samples["gemm_attn_floor"] = [], []
+    faults: dict[str, list[float]] = {p: [] for p in procs}
     tops: list[dict] = []  # per profiled round: op → (self seconds per step, calls per step)
     for _ in range(args.rounds):
         for p in procs:
-            samples[p].append(ask(p, "step"))
+            r = ask(p, "step")
+            samples[p].append(r["s"])
+            faults[p].append(r["minflt"])
         if "moe_none" in procs:
             prof = ask("moe_none", "gemm")
             samples["gemm_floor"].append(prof["gemm"])
@@ -170,7 +187,9 @@ def main() -> None:
                                                      "threads", "rounds", "steps", "device")},
            "experts_impl": ready.get("hf_eager", {}).get("experts_impl"),
            "compile_seconds": {p: r["ready"] for p, r in ready.items()},
+           "keep_freed_memory": args.keep_freed_memory,
            "step_seconds": med, "samples": samples,
+           "minor_faults_per_step": {p: statistics.median(v) for p, v in faults.items()},
            "moe_none_top_self_cpu": top_ops(tops)}
     ratios = {}
     for p in ("torch_compile", "moe_none", "moe_inductor"):
@@ -184,7 +203,8 @@ def main() -> None:
     lo = {k: min(v) for k, v in samples.items() if v}  # the least disturbed sample (a shared machine)
     res["ratios_of_min"] = {k: lo[k.split("/")[0]] / lo[k.split("/")[1]] for k in ratios}
     for k, v in med.items():
-        print(f"{k:>14}: {1000 * v:8.1f} ms median, {1000 * min(samples[k]):8.1f} ms min")
+        flt = f", {res['minor_faults_per_step'][k]:7.0f} page faults/step" if k in faults else ""
+        print(f"{k:>14}: {1000 * v:8.1f} ms median, {1000 * min(samples[k]):8.1f} ms min{flt}")
     for k, v in ratios.items():
         print(f"{k:>26}: {v:.3f} of medians, {res['ratios_of_min'][k]:.3f} of minima")
     if res["moe_none_top_self_cpu"]:
