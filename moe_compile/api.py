@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .backend import MoEBackend
 from .capture import RECOMPILE_LIMIT, fresh
+from .codegen.dense_fusion import resolve_dense_fusion
 from .codegen.triton_mode import resolve_codegen
 from .compiled import CompiledMoE
 from .errors import MeshError, OptionError, UnsupportedFeatureError
@@ -65,6 +66,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     """
     opts = CompileOptions.from_kwargs(options)
     codegen = resolve_codegen(opts.codegen, _device_type(model))
+    resolve_dense_fusion(opts.dense_fusion, _device_type(model))  # no C++ compiler for "inductor": fail here
     if isinstance(mesh, str):
         mesh = MeshSpec.parse(mesh)
     mesh = mesh or MeshSpec()

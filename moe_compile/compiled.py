@@ -251,8 +251,8 @@ class CompiledMoE(nn.Module):
         return ledger_for(self, **kw)
 
     def close(self) -> None:
-        """Release the runtime context and its symmetric heap (NVSHMEM finalizes with the last heap of
-        the process). Collective over the EP group when the transport is symmetric: call on every rank."""
+        """Release the runtime context, its symmetric heap (NVSHMEM finalizes with the last heap of
+        the process) and the gradient buckets' shared memory. Collective over the EP group when the transport is symmetric: call on every rank."""
         try:
             leases = get_context(self.program.ctx_id).leases
         except RuntimeFault:  # closed already
@@ -260,3 +260,5 @@ class CompiledMoE(nn.Module):
         release_context(self.program.ctx_id)
         if leases is not None and leases.heap is not None:
             leases.heap.close()
+        if self.ddp is not None:
+            self.ddp.close()

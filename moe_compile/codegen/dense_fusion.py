@@ -11,6 +11,11 @@
     stitch    an outer GraphModule that runs the opaque nodes eagerly, in their original order,
               and calls the compiled segments between them
 
+Numerics: inductor keeps reduced-precision (bf16) intermediates of a fused loop in float32 where the
+eager graph rounds each op's output, so bf16 results differ from dense_fusion="none" by more than one
+rounding, and a router's top-k can pick differently on near-ties (torch.compile's default behaviour too;
+torch._inductor.config.emulate_precision_casts=True rounds as eager does). fp32 matches to 1e-5.
+
 Why split instead of handing the whole graph to inductor: the lease ops return nothing and depend on
 no tensor they order against (``lease_release`` follows its reader only by position), so inductor's
 dead-code elimination and its memory-driven reordering would drop or move them; transport ops are
@@ -40,6 +45,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import OptionError
 from .row_decompositions import inline_row_ops
@@ -52,15 +59,17 @@ _VIEW_OPS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "ex
 AUTO_DEFAULT = {"cpu": "none", "cuda": "none"}
 
 
-def cpp_compiler() -> str | None:
-    """The C++ compiler inductor's CPU backend would use, or None when there is none."""
+def _compiler_names() -> list[str]:
+    """The compiler names inductor's CPU backend tries (its config reads CXX when torch is imported)."""
     from torch._inductor import config
 
     names = config.cpp.cxx if isinstance(config.cpp.cxx, list | tuple) else (config.cpp.cxx,)
-    for name in names:
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    return [n for n in names if n]
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would use, or None when there is none."""
+    return next((shutil.which(n) for n in _compiler_names() if shutil.which(n)), None)
 
 
 def resolve_dense_fusion(mode: str, device_type: str) -> str:
@@ -70,11 +79,10 @@ def resolve_dense_fusion(mode: str, device_type: str) -> str:
         if mode == "inductor" and device_type == "cpu" and cpp_compiler() is None:
             mode = "none"  # auto never requires a compiler: without one the dense part stays eager
     if mode == "inductor" and device_type == "cpu" and cpp_compiler() is None:
-        from torch._inductor import config
-
         raise OptionError(
             f"dense_fusion='inductor' on CPU needs a C++ compiler for inductor's kernels, and none of "
-            f"{config.cpp.cxx} is on PATH: install g++ (or set CXX), or use dense_fusion='none'")
+            f"{_compiler_names()} is on PATH: install g++ (or set CXX before torch is imported, or "
+            "torch._inductor.config.cpp.cxx), or use dense_fusion='none'")
     return mode
 
 
@@ -163,6 +171,19 @@ def _segment_module(gm: fx.GraphModule, seg: list[fx.Node], later_users: set[fx.
     return fx.GraphModule(gm, g), inputs, outputs
 
 
+def _example_inputs(vals: list) -> tuple[Any, list]:
+    """A fake mode with a ShapeEnv (standalone_compile needs one) and the segment's inputs in it, static
+    shapes. Under dynamo the graph's own values have one; a dropless rebuild (runtime/dropless.py)
+    lowers again outside dynamo, in a fake mode without, so its inputs are re-made, same layouts."""
+    mode = detect_fake_mode(vals)
+    if mode is not None and mode.shape_env is not None:
+        return mode, vals
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        return mode, [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                      if isinstance(v, torch.Tensor) else v for v in vals]
+
+
 def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
     """An executable copy of ``gm`` whose dense segments run as inductor kernels; returns it and a
     summary (segments compiled, nodes in them, opaque nodes kept, row ops inlined)."""
@@ -184,10 +205,8 @@ def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
         inside = set(segs[i])
         later = {u for m in segs[i] for u in m.users if u not in inside}
         sub, inputs, outputs = _segment_module(gm, segs[i], later)
-        fake = [a.meta["val"] for a in inputs]
-        # static shapes, in the fake mode of the graph's own values (dropless rebuilds run outside dynamo)
-        fn = torch._inductor.standalone_compile(sub, fake, dynamic_shapes="from_example_inputs",
-                                                fake_mode=detect_fake_mode(fake))
+        mode, fake = _example_inputs([a.meta["val"] for a in inputs])
+        fn = torch._inductor.standalone_compile(sub, fake, dynamic_shapes="from_example_inputs", fake_mode=mode)
         name = f"dense_{i}"
         root.add_module(name, _Compiled(fn, fake))
         call = out_g.call_module(name, tuple(env[a] for a in inputs))
@@ -210,7 +229,8 @@ def dense_executable(gm: fx.GraphModule, program) -> fx.GraphModule:
     """What runs for the lowered graph ``gm``: itself, or (dense_fusion resolves to "inductor") its
     fused copy; the choice and the split are recorded in ``gm.meta["moe_dense_fusion"]``."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    device = next((v.device.type for v in vals if isinstance(v, torch.Tensor)), "cpu")
+    types = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
+    device = next(iter(types - {"cpu"}), "cpu")  # an accelerator graph may also take CPU tensors
     mode = resolve_dense_fusion(program.options.dense_fusion, device)
     gm.meta["moe_dense_fusion"] = {"mode": mode}
     if mode == "none":

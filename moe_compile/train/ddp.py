@@ -108,8 +108,14 @@ class GradBucket:
         and again when sharding changed the send's size)."""
         numel = self.shards.send.numel() if self.shards is not None else self.flat.numel()
         if self.shm is None or self.shm.data.local.numel() != numel:
+            self.release_shm()
             self.shm = self.shm_group.bucket(numel, self.flat.dtype)
         return self.shm
+
+    def release_shm(self) -> None:
+        if self.shm is not None:
+            self.shm.release()
+            self.shm = None
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -169,7 +175,11 @@ class MultiGroupDistributedDataParallel:
             p.register_post_accumulate_grad_hook(self._hook)
 
     def _build_buckets(self, grad_dtype: torch.dtype | None) -> None:
+        if self._task is not None:  # reductions a failed backward left in flight finish on the old buckets
+            self._abandon()
         old = {id(p): b.view(i).clone() for b in self.buckets for i, p in enumerate(b.params)}
+        for b in self.buckets:  # their shared-memory segments go with them (new buckets map their own)
+            b.release_shm()
         self.grad_dtype = grad_dtype
         self.buckets, self._where = [], {}
         last = len(self._rank)  # parameters no compiled backward produced: after the rest, in reverse
@@ -418,6 +428,16 @@ class MultiGroupDistributedDataParallel:
             b.ready.clear()
         self._next = 0
         self._task = None
+
+    def close(self) -> None:
+        """Release the gradient buckets' shared-memory segments and heaps (host_shm); a reduction after
+        this fails naming the closed heap. Local to the rank."""
+        if self._task is not None:
+            self._abandon()
+        for b in self.buckets:
+            b.release_shm()
+        for red in self._shm.values():
+            red.heap.close()
 
     def sync_now(self) -> None:
         """Reduce every bucket now: the gradients that backwards under ``no_sync`` accumulated (a

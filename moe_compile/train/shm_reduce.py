@@ -95,3 +95,10 @@ class ShmBucket:
                 flat.add_(v)
         raise_flag(self.flags.local, DONE, r)
         self._out = None
+
+    def release(self) -> None:
+        """Finish a round nobody waited for, then drop this rank's mappings (a re-bucketed or closed
+        reducer; local: each member releases its own, and the memory goes with the last)."""
+        self.wait()
+        self.red.heap.free(self.data)
+        self.red.heap.free(self.flags)

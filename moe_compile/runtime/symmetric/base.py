@@ -23,6 +23,7 @@ class SymmetricBuffer:
     dtype: torch.dtype
     views: list[torch.Tensor]  # views[p]: member p's segment, addressable from this rank
     rank: int
+    key: int = -1  # the allocation's number in its heap (heaps that free single buffers)
 
     @property
     def local(self) -> torch.Tensor:

@@ -126,7 +126,8 @@ class HostShmHeap(SymmetricHeap):
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=group)
         self.prefix = f"{job_prefix()}_{token[0]}"
-        self._maps: list[mmap.mmap] = []
+        self._maps: dict[int, list[mmap.mmap]] = {}  # allocation number → every member's mapping
+        self._closed = False
         self._count = 0
         self._bytes = 0
         self._epoch = 0
@@ -136,6 +137,8 @@ class HostShmHeap(SymmetricHeap):
         self._flags = self.alloc("signal", (self.size,), torch.int64).views[0] if self._shm_signal else None
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SymmetricBuffer:
+        if self._closed:
+            raise RuntimeFault(f"host shared-memory heap {self.prefix}: alloc({name!r}) after close()")
         n = self._count
         self._count += 1
         numel = 1
@@ -150,15 +153,25 @@ class HostShmHeap(SymmetricHeap):
             dist.barrier(group=self.group)  # every member mapped every segment
         finally:
             os.unlink(paths[self.rank])  # the name can go (mappings keep the memory alive), also on failure
-        self._maps += maps
+        self._maps[n] = maps
         self._bytes += nbytes
         views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes).view(dtype).view(shape) if nbytes
                  else torch.zeros(shape, dtype=dtype) for m in maps]
         # no zero_() here: a new segment is zero-filled (O_EXCL + ftruncate), and a peer that left the
         # barrier first may already be writing into it
-        return SymmetricBuffer(name, tuple(shape), dtype, views, self.rank)
+        return SymmetricBuffer(name, tuple(shape), dtype, views, self.rank, key=n)
+
+    def free(self, buf: SymmetricBuffer) -> None:
+        """Drop this rank's mappings of one allocation (local, not collective: the memory goes when the
+        last member's mappings and views of it are gone; the names were unlinked at alloc). ``buf`` is
+        unusable afterwards."""
+        if self._maps.pop(buf.key, None) is not None:
+            self._bytes -= buf.nbytes
+        buf.views = []
 
     def barrier(self) -> None:
+        if self._closed:
+            raise RuntimeFault(f"host shared-memory heap {self.prefix}: barrier() after close()")
         if not self._shm_signal:
             dist.barrier(group=self.group)
             return
@@ -175,4 +188,6 @@ class HostShmHeap(SymmetricHeap):
         return self._bytes
 
     def close(self) -> None:
+        self._closed = True
         self._maps.clear()  # views hold the buffers; the OS unmaps when the last reference goes
+        self._flags, self._bytes = None, 0
