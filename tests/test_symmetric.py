@@ -268,8 +268,8 @@ def heap_worker(rank, world, kill_in_alloc):
     if kill_in_alloc and rank == 1:
         original = host._map
 
-        def map_then_die(path, nbytes, create):
-            m = original(path, nbytes, create)
+        def map_then_die(path, nbytes, create, **kw):
+            m = original(path, nbytes, create, **kw)
             if create:
                 os.kill(os.getpid(), signal.SIGKILL)
             return m
@@ -283,6 +283,28 @@ def heap_worker(rank, world, kill_in_alloc):
     left = [f for f in os.listdir("/dev/shm") if f.startswith(heap.prefix)]
     heap.close()
     return {"got": got, "names_left": left, "prefix": heap.prefix}
+
+
+def mismatch_worker(rank, world):
+    """Members that allocate different shapes (a collective mismatch): the one whose peer's segment is
+    too small for it fails naming the allocation, not inside mmap."""
+    from moe_compile.runtime.symmetric import HostShmHeap
+
+    heap = HostShmHeap(torch.distributed.group.WORLD)
+    out = {}
+    try:
+        heap.alloc("rows", (2, 16 if rank == 0 else 8), torch.float32)
+    except RuntimeFault as e:
+        out["error"] = str(e)
+        torch.distributed.barrier()  # the barrier the peer waits in, after its mapping
+    heap.close()
+    return out
+
+
+def test_a_shape_mismatch_between_members_is_named():
+    r0, r1 = run_ranks(mismatch_worker, 2)
+    assert "allocation 'rows' (2, 16) torch.float32, member 0 of 2: this rank allocates 128 bytes" in r0["error"], r0
+    assert "every member must allocate the same shape" in r0["error"] and "error" not in r1, (r0, r1)
 
 
 @pytest.mark.slow

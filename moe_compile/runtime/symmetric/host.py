@@ -103,12 +103,15 @@ def raise_flag(flags: torch.Tensor, i: int, value: int) -> None:
         futex.wake(futex.word(flags, i))
 
 
-def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
+def _map(path: str, nbytes: int, create: bool, what: str = "") -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
             os.ftruncate(fd, max(nbytes, 1))
+        elif os.fstat(fd).st_size < max(nbytes, 1):  # the peer allocated another shape: a collective mismatch
+            raise RuntimeFault(f"{what}: this rank allocates {nbytes} bytes but a peer's segment {path} has "
+                               f"{os.fstat(fd).st_size}; every member must allocate the same shape, in the same order")
         return mmap.mmap(fd, max(nbytes, 1))
     finally:
         os.close(fd)
@@ -149,7 +152,9 @@ class HostShmHeap(SymmetricHeap):
         mine = _map(paths[self.rank], nbytes, create=True)
         try:
             dist.barrier(group=self.group)  # every segment exists
-            maps = [mine if p == self.rank else _map(paths[p], nbytes, create=False) for p in range(self.size)]
+            what = f"host shared-memory allocation {name!r} {tuple(shape)} {dtype}, member {self.rank} of {self.size}"
+            maps = [mine if p == self.rank else _map(paths[p], nbytes, create=False, what=what)
+                    for p in range(self.size)]
             dist.barrier(group=self.group)  # every member mapped every segment
         finally:
             os.unlink(paths[self.rank])  # the name can go (mappings keep the memory alive), also on failure
