@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from .errors import OptionError
-from .train.loop import TrainConfig, print_summary, train_rank
+from .train.loop import TrainConfig, check_ckpt_dir, print_summary, train_rank
 
 
 def _train_parser(sub) -> None:
@@ -68,6 +68,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
+        if "RANK" not in os.environ:  # torchrun ranks check in train_rank
+            check_ckpt_dir(cfg, 0)  # before spawning anything: a clear exit 2
     except OptionError as e:
         print(f"moe-compile train: {e}", file=sys.stderr)
         return 2

@@ -84,6 +84,88 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000003"]
 
 
+def test_resave_interrupted_between_renames_keeps_a_loadable_copy(tmp_path, monkeypatch):
+    """Re-saving a step moves the committed copy aside first; a crash before the new one takes its place
+    leaves latest -> step_N missing: the copy beside it is what latest_checkpoint (and a resume) finds."""
+    from moe_compile.train import checkpoint
+
+    cm, opt = trained()
+    save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    at2 = snapshot(cm, opt)
+    train_step(cm, opt, make_batches(1, seed=7))
+    rename = os.rename
+
+    def killed(src, dst):
+        if str(src).endswith(".partial"):
+            raise KeyboardInterrupt("killed between the renames")
+        return rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    assert not (tmp_path / "step_00000002").exists()
+    assert latest_checkpoint(tmp_path).name == ".step_00000002.old"
+    assert load_checkpoint(tmp_path, cm, opt).step == 2 and same(snapshot(cm, opt), at2)
+    save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)  # the next save of it tidies up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002"]
+
+
+def test_keep_last_and_latest_follow_the_commit_order(tmp_path):
+    """Another run saved higher steps into the same root: keep_last keeps this run's last saves, and
+    without the pointer the newest commit is the latest, not the highest step."""
+    cm, opt = trained()
+    save_checkpoint(tmp_path, cm, opt, step=40, data_position=40)
+    for step in (3, 6, 9):
+        save_checkpoint(tmp_path, cm, opt, step=step, data_position=step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000006", "step_00000009"]
+    save_checkpoint(tmp_path, cm, opt, step=40, data_position=40)  # a higher step, saved last
+    (tmp_path / "latest").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_00000040"
+    save_checkpoint(tmp_path, cm, opt, step=12, data_position=12)
+    (tmp_path / "latest").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_00000012"
+
+
+def test_a_failed_step_leaves_no_gradient_for_the_next():
+    """train_step raising in its second microbatch (an out-of-vocabulary id) must not leave the first
+    microbatch's gradient for the next step: that step then equals the same step on a fresh copy."""
+    import copy
+
+    model = build_model("tiny")
+    good = make_batches(2, seed=1)
+    bad = [make_batches(1, seed=2)[0], make_batches(1, seed=3)[0].clone()]
+    bad[1][0, 3] = 10_000
+    ref = moe_compile(copy.deepcopy(model), microbatches=2)
+    ref_opt = OLMoDDPOptimizer(ref, lr=1e-2)
+    train_step(ref, ref_opt, good)
+    cm = moe_compile(copy.deepcopy(model), microbatches=2)
+    opt = OLMoDDPOptimizer(cm, lr=1e-2)
+    with pytest.raises(IndexError):
+        train_step(cm, opt, bad)
+    train_step(cm, opt, good)
+    a, b = ref.full_state_dict(), cm.full_state_dict()
+    assert opt.step_count == 1 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_resume_drops_a_cut_row(tmp_path):
+    from moe_compile.errors import OptionError
+    from moe_compile.train.loop import TrainConfig, _metrics_sink, check_ckpt_dir
+
+    cm, opt = trained()
+    save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    with pytest.raises(OptionError, match=r"already holds checkpoints \(newest: step_00000002\): pass --resume"):
+        check_ckpt_dir(TrainConfig(ckpt=str(tmp_path)), 0)
+    check_ckpt_dir(TrainConfig(ckpt=str(tmp_path), resume=True), 0)
+    rows = tmp_path / "m.jsonl"
+    rows.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo')  # killed mid-row
+    _metrics_sink(str(rows), 3).close()
+    assert rows.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    rows.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
+    with pytest.raises(OptionError, match="line 2 is not JSON"):
+        _metrics_sink(str(rows), 2)
+
+
 def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
     cm, opt = trained()
     save_checkpoint(tmp_path / "a", cm, opt, step=2, data_position=2)

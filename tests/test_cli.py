@@ -85,10 +85,19 @@ def test_bad_mesh_is_reported(tmp_path):
     assert "but the world has 1" in proc.stderr
 
 
-def test_bad_training_options_are_reported():
+def test_bad_training_options_are_reported(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "train", "--save-every", "5"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "--resume and --save-every need --ckpt DIR" in proc.stderr, proc.stderr
+    from moe_compile.cli import main
+
+    # refused before any rank is spawned or step trained (in-process: main returns 2 at once)
+    (tmp_path / "afile").write_text("")
+    assert main(["train", "--log-every", "0"]) == 2
+    assert main(["train", "--ckpt", str(tmp_path / "afile" / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "--log-every 0: must be ≥ 1" in err, err
+    assert f"--ckpt {tmp_path / 'afile' / 'ck'}: not a writable directory (NotADirectoryError" in err, err
 
 
 def test_families_prints_the_table():

@@ -205,16 +205,32 @@ def _complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def _sequence(path: Path) -> int:
+    """The save's place in its root's commit order (manifests before ``sequence`` existed: -1)."""
+    try:
+        return int(json.loads((path / MANIFEST).read_text()).get("sequence", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
+
+
+def _committed(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest commit first (commit sequence, then step)."""
+    done = [p for p in root.glob("step_*") if _STEP_DIR.fullmatch(p.name) and _complete(p)]
+    return sorted(done, key=lambda p: (_sequence(p), int(_STEP_DIR.fullmatch(p.name).group(1))))
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (the ``latest`` pointer, else the highest step)."""
+    """The newest complete checkpoint under ``root``: the ``latest`` pointer's (or, when a re-save of
+    that step stopped between its two renames, the old copy kept beside it), else the last committed."""
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if _complete(target):
-            return target
-    done = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name)) and _complete(p)]
-    return max(done)[1] if done else None
+        name = pointer.read_text().strip()
+        for target in (root / name, root / f".{name}.old"):
+            if _STEP_DIR.fullmatch(name) and _complete(target):
+                return target
+    done = _committed(root)
+    return done[-1] if done else None
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -340,7 +356,7 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
                 "skipped_steps": opt.skipped_steps, "mesh": str(cm.program.mesh),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "tensors": {k: _shape(v) for k, v in state.items()}, "extra": extra or {}, "files": files,
-                "sha256": sums,
+                "sha256": sums, "sequence": max((_sequence(p) for p in _committed(root)), default=-1) + 1,
             }
             manifest["manifest_sha256"] = _manifest_sha256(manifest)
             _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -358,21 +374,18 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
 
 
 def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None) -> None:
-    old = None
+    old = root / f".{name}.old"  # latest_checkpoint falls back to it while step_<N> is missing
     if final.exists():  # the same step saved again: keep the old copy until the new one is in place
-        old = root / f".{name}.old"
         if old.exists():
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
     _write_atomic(root / LATEST, name + "\n")
-    if old is not None:
+    if old.exists():
         shutil.rmtree(old, ignore_errors=True)
-    if keep_last:
-        done = sorted((int(m.group(1)), p) for p in root.glob("step_*")
-                      if (m := _STEP_DIR.fullmatch(p.name)) and _complete(p))
-        for _, p in done[:-keep_last]:
+    if keep_last:  # the last keep_last saves, by commit order (not by step: another run may have saved higher)
+        for p in _committed(root)[:-keep_last]:
             if p != final:
                 shutil.rmtree(p, ignore_errors=True)
 

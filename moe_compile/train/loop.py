@@ -68,6 +68,8 @@ class TrainConfig:
             raise OptionError("--resume and --save-every need --ckpt DIR")
         if self.keep_last is not None and self.keep_last < 1:
             raise OptionError(f"--keep-last {self.keep_last}: must be ≥ 1")
+        if self.log_every < 1:
+            raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -100,10 +102,35 @@ def train_step(cm: Any, opt: OLMoDDPOptimizer, microbatches: list[torch.Tensor])
     """One optimizer step over m microbatches (cm.train_step: the pipeline schedule, or accumulation
     with one reduction at pp = 1). Returns this replica's mean loss and the step result."""
     batch = torch.cat(microbatches)
-    loss = cm.train_step(input_ids=batch, labels=batch, microbatches=len(microbatches))
+    try:
+        loss = cm.train_step(input_ids=batch, labels=batch, microbatches=len(microbatches))
+    except BaseException:
+        opt.zero_grad()  # the microbatches that did finish must not reach the next step's update
+        raise
     result = opt.step()
     opt.zero_grad()
     return loss.detach().float(), result
+
+
+def check_ckpt_dir(cfg: TrainConfig, rank: int) -> None:
+    """Before anything is trained: --ckpt must be a writable directory, and a run without --resume
+    must not write into one that holds checkpoints (its saves and --keep-last would mix with and
+    prune the other run's)."""
+    from .checkpoint import latest_checkpoint
+
+    if not cfg.ckpt:
+        return
+    root = Path(cfg.ckpt)
+    probe = root / f".write_probe_{rank}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OptionError(f"--ckpt {root}: not a writable directory ({type(e).__name__}: {e.strerror or e})") from e
+    if not cfg.resume and (found := latest_checkpoint(root)) is not None:
+        raise OptionError(f"--ckpt {root} already holds checkpoints (newest: {found.name}): pass --resume to "
+                          "continue from it, or give an empty directory")
 
 
 def _metrics_sink(path: str | None, resume_step: int):
@@ -112,7 +139,18 @@ def _metrics_sink(path: str | None, resume_step: int):
         return None
     p = Path(path)
     if resume_step and p.exists():
-        keep = [ln for ln in p.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+        keep = []
+        for i, ln in enumerate(lines):
+            try:
+                row = json.loads(ln)
+            except ValueError as e:
+                if i == len(lines) - 1:  # a row cut short by the crash being resumed from
+                    break
+                raise OptionError(f"--metrics-jsonl {p}: line {i + 1} is not JSON ({e}); only a last line "
+                                  "cut short by a crash is dropped on resume") from e
+            if row["step"] <= resume_step:
+                keep.append(ln)
         p.write_text("".join(ln + "\n" for ln in keep))
         return open(p, "a")
     return open(p, "w")
@@ -124,6 +162,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from .data import ByteFileStream, SyntheticStream, step_microbatches
 
+    check_ckpt_dir(cfg, rank)
     cm = compile_for(cfg, build_model(cfg))
     spec = cm.program.mesh
     dp_rank = spec.dense_coords(rank)[1]
