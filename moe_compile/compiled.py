@@ -95,7 +95,7 @@ class CompiledMoE(nn.Module):
             with self.no_sync() if j < m - 1 else contextlib.nullcontext():
                 loss = self(**mb).loss
                 (loss * w[j].to(loss.dtype)).backward()
-            part = loss.detach().float() * w[j]
+            part = torch.where(w[j] > 0, loss.detach().float() * w[j], 0.0)  # no loss tokens: loss NaN, weight 0
             total = part if total is None else total + part
         return total
 

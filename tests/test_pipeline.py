@@ -239,23 +239,49 @@ def bad_input_worker(rank: int, world: int) -> list[str]:
             moe_compile(_model("tiny", 2), spec, **kw)
         except OptionError as e:
             msgs.append(str(e))
-    cm = moe_compile(_model("tiny", 2), spec, microbatches=2)
+    model = _model("tiny", 2)
+    ref_loss, ref_grads = masked_microbatch_reference(model)
+    cm = moe_compile(model, spec, microbatches=2)
     b = make_batches(1, 3, 16)[0]
-    for call in (lambda: cm.train_step(input_ids=b, labels=b), lambda: cm(input_ids=b, labels=b)):
+    b4 = make_batches(1, 4, 16)[0]
+    for call in (lambda: cm.train_step(input_ids=b, labels=b), lambda: cm(input_ids=b, labels=b),
+                 lambda: cm.train_step(input_ids=b4)):
         try:
             call()
         except OptionError as e:
             msgs.append(str(e))
-    return msgs
+    return msgs, masked_microbatch_errors(cm, ref_loss, ref_grads)
+
+
+def masked_microbatch_reference(model):
+    """A batch of 4 as 2 microbatches, the second with no loss tokens (labels all -100): the step is the
+    first microbatch's (weight 1; the second weighs 0), so its dense loss and gradients are the reference."""
+    ref = copy.deepcopy(model)
+    x = make_batches(1, 4, 16, seed=5)[0]
+    loss = ref(input_ids=x[:2], labels=x[:2]).loss
+    loss.backward()
+    return loss.item(), grads_of(ref)
+
+
+def masked_microbatch_errors(cm, ref_loss: float, ref_grads: dict) -> tuple[float, float]:
+    x = make_batches(1, 4, 16, seed=5)[0]
+    labels = x.clone()
+    labels[2:] = -100
+    loss = cm.train_step(input_ids=x, labels=labels, **({} if cm.pipeline is not None else {"microbatches": 2}))
+    grads = cm.full_grads()
+    return abs(loss.item() - ref_loss) / abs(ref_loss), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)
 
 
 def test_pipeline_bad_input_is_a_clear_error():
-    for msgs in run_ranks(bad_input_worker, 2):
-        assert len(msgs) == 4, msgs
+    for msgs, (loss_err, grad_err) in run_ranks(bad_input_worker, 2):
+        assert len(msgs) == 5, msgs
         assert "ScheduleZBVZeroBubble" in msgs[0]
         assert "needs microbatches ≥ pp" in msgs[1]
         assert "3 sequences does not split into microbatches=2" in msgs[2]
         assert "torch.no_grad()" in msgs[3]
+        assert "a pipelined train_step needs labels=" in msgs[4]
+        # a microbatch without loss tokens: a finite loss (was NaN: its 0/0 loss times weight 0)
+        assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
 
 
 def test_train_step_at_pp1_is_gradient_accumulation():
@@ -268,6 +294,10 @@ def test_train_step_at_pp1_is_gradient_accumulation():
     grads = cm.full_grads()
     assert abs(loss.item() - ref_losses[0]) <= TOL * abs(ref_losses[0])
     assert max(rel_err(grads[n], ref_grads[n]) for n in ref_grads) <= TOL
+    model = _model("tiny", 2)
+    ref = masked_microbatch_reference(model)
+    cm = moe_compile(model, None)
+    assert max(masked_microbatch_errors(cm, *ref)) <= TOL
 
 
 # -- training and checkpoints across a changed pp -------------------------------------------------

@@ -245,6 +245,9 @@ class PipelineRuntime:
     def train_step(self, kwargs: dict[str, Any]) -> torch.Tensor:
         m = self.schedule.microbatches
         b = split_batch_check(kwargs, m)
+        if kwargs.get("labels") is None:  # every rank of the pipeline gets the same batch: all refuse together
+            raise OptionError("a pipelined train_step needs labels=...: the last stage's loss is what the "
+                              "schedule backpropagates (forward-only evaluation: call the model)")
         spec = self.cm.program.mesh
         if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
             from .context_parallel import shard_batch
@@ -418,7 +421,9 @@ def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
 
 def _weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     loss = output[0] if isinstance(output, tuple | list) else output
-    return loss * target.reshape(()).to(loss.dtype)
+    w = target.reshape(()).to(loss.dtype)
+    # a microbatch without loss tokens has weight 0 and loss 0/0 = NaN: it adds 0, not NaN, to the sum
+    return torch.where(w > 0, loss * w, torch.zeros_like(loss))
 
 
 def _layer_index(path: str, layers_path: str) -> int | None:
