@@ -140,6 +140,9 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     return CompiledMoE(model, program, groups, ddp, compiled)
 
 
+CP_LAYER_KINDS = ("full_attention", "attention", "moe")  # layer kinds context parallelism reproduces exactly
+
+
 def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     """Features the sharded sequence cannot reproduce exactly: refused before anything is built."""
     cfg = getattr(model, "config", None)
@@ -156,6 +159,21 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         raise UnsupportedFeatureError(
             f"mesh {spec}: sliding-window attention (window {window}, layers {layers}) under context parallelism is "
             "not supported (the sharded attention is full causal); use cp=1")
+    # Only full causal attention is made whole across the shards; any other token mixer (linear attention,
+    # SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
+    kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
+    other = sorted({k for k in kinds if k not in CP_LAYER_KINDS})
+    if other or getattr(cfg, "attention_chunk_size", None) and not types:
+        layers = [i for i, t in enumerate(kinds) if t in other]
+        raise UnsupportedFeatureError(
+            f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
+            "under context parallelism: only full causal attention is sharded exactly, these would mix tokens "
+            "within one rank's shard only; use cp=1")
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
+    if convs:
+        raise UnsupportedFeatureError(
+            f"mesh {spec}: {convs[0]} is a convolution (token mixing over the sequence, {len(convs)} such modules) "
+            "that would see one rank's shard only under context parallelism; use cp=1")
 
 
 def _schedule_for(spec: MeshSpec, opts: CompileOptions):

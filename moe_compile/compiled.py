@@ -52,6 +52,10 @@ class CompiledMoE(nn.Module):
             out = self._run_compiled((), shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank))
             if getattr(out, "loss", None) is not None:
                 out.loss = LossSum.apply(out.loss, self.groups.cp)
+            elif isinstance(out, tuple) and out and kwargs.get("labels") is not None:  # return_dict=False: loss first
+                out = (LossSum.apply(out[0], self.groups.cp), *out[1:])
+            if getattr(out, "past_key_values", None) is not None:  # config.use_cache: this shard's keys only
+                out.past_key_values = None
             return out
         return self._run_compiled(args, kwargs)
 

@@ -123,25 +123,48 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
         moe_compile(build_model("olmoe_aux"), spec)
     except UnsupportedFeatureError as e:
         msgs.append(str(e))
+    from moe_compile.models.hf import tiny_family_model
+
+    conv = _model("tiny")
+    conv.layers[0].mix = torch.nn.Conv1d(conv.config.d_model, conv.config.d_model, 3, padding=2)
+    for model in (tiny_family_model("qwen3_next", seed=0), tiny_family_model("llama4_text", seed=0), conv):
+        try:  # token mixers other than full causal attention would see one rank's shard only
+            moe_compile(model, spec)
+        except UnsupportedFeatureError as e:
+            msgs.append(str(e))
     cm = moe_compile(_model("tiny"), spec)
     b = make_batches(1, 2, 10)[0]
+    packed = torch.arange(4).repeat(2).expand(2, -1)  # two sequences of 4 in each row
     for kw in ({"input_ids": b, "labels": b},
-               {"input_ids": b[:, :8], "labels": b[:, :8], "attention_mask": torch.tensor([[1] * 7 + [0]] * 2)}):
+               {"input_ids": b[:, :8], "labels": b[:, :8], "attention_mask": torch.tensor([[1] * 7 + [0]] * 2)},
+               {"input_ids": b[:, :8], "labels": b[:, :8], "position_ids": packed},
+               {"input_ids": b[:, :8], "use_cache": True}):
         try:
             cm(**kw)
         except OptionError as e:
             msgs.append(str(e))
     cm.close()
-    return msgs
+    cm = moe_compile(_model("olmoe"), spec)  # return_dict=False: the tuple's loss is the whole sequence's too
+    x = make_batches(1, 2, 8, seed=2)[0]
+    whole = cm(input_ids=x, labels=x).loss.item()
+    as_tuple = cm(input_ids=x, labels=x, return_dict=False)[0].item()
+    cm.close()
+    return msgs, (whole, as_tuple)
 
 
 def test_context_parallel_bad_input_is_a_clear_error():
-    for msgs in run_ranks(bad_cp_worker, 2):
-        assert len(msgs) == 4, msgs
+    for msgs, (whole, as_tuple) in run_ranks(bad_cp_worker, 2):
+        assert len(msgs) == 9, msgs
         assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
         assert "output_router_logits=True" in msgs[1]
-        assert "sequence length 10 is not divisible by 2·cp = 4" in msgs[2]
-        assert "attention_mask with padding" in msgs[3]
+        assert "layers of kind ['linear_attention']" in msgs[2]
+        assert "layers of kind ['chunked_attention']" in msgs[3]
+        assert "layers.0.mix is a convolution" in msgs[4]
+        assert "sequence length 10 is not divisible by 2·cp = 4" in msgs[5]
+        assert "attention_mask with padding" in msgs[6]
+        assert "position_ids must have input_ids' shape (2, 8) and increase" in msgs[7] and "packed" in msgs[7]
+        assert "a KV cache (use_cache=True" in msgs[8]
+        assert as_tuple == whole, (as_tuple, whole)
 
 
 @pytest.mark.slow

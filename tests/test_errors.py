@@ -98,6 +98,54 @@ def test_expert_bias_is_unsupported():
         moe_compile(model)
 
 
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_expert_parameters_the_compiled_ffn_would_drop_are_refused():
+    """An adapter parameter inside an expert, or a Linear with its own forward, would be silently left out
+    of the compiled experts (which read only the Linears' weights): refused, named."""
+    model = build_model("tiny")
+    model.layers[1].mlp.experts[0].lora = nn.Parameter(torch.zeros(4))
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.1\.mlp\.experts\.0: FFN parameters \['lora'\]"):
+        moe_compile(model)
+    model = build_model("tiny")
+    old = model.layers[0].mlp.experts[2].w1
+    model.layers[0].mlp.experts[2].w1 = scaled = _ScaledLinear(old.in_features, old.out_features, bias=False)
+    scaled.weight.data.copy_(old.weight.data)
+    with pytest.raises(UnsupportedFeatureError, match=r"experts\.2: Linear layers with their own forward.*w1 \(_ScaledLinear\)"):
+        moe_compile(model)
+
+
+class _ReturnsProbs(MoEFeedForward):
+    """Returns (output, router probabilities): a second output the canonical block would not reproduce."""
+
+    def forward(self, hidden):
+        y, _ = super().forward(hidden)
+        return y, torch.softmax(self.router(hidden.reshape(-1, hidden.shape[-1])), -1)
+
+
+class _ReturnsLogits(_ReturnsProbs):
+    def forward(self, hidden):
+        y, _ = MoEFeedForward.forward(self, hidden)
+        return y, self.router(hidden.reshape(-1, hidden.shape[-1]))
+
+
+def test_a_second_output_other_than_router_logits_is_refused():
+    for cls, refused in ((_ReturnsProbs, True), (_ReturnsLogits, False)):
+        model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
+        block = cls(TinyMoEConfig(vocab_size=256, lb_coef=0.0, z_coef=0.0))
+        block.load_state_dict(model.layers[0].mlp.state_dict())
+        model.layers[0].mlp = block
+        if refused:
+            with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: forward returns \(output, \(48, 8\) "
+                                                              r"tensor\).*not the router's logits"):
+                moe_compile(model)
+        else:
+            assert moe_compile(model).program.blocks["layers.0.mlp"].returns_logits
+
+
 class OddMoE(MoEFeedForward):
     """Looks like an MoE but scales its output: no supported routing reproduces it."""
 

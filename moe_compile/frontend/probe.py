@@ -114,7 +114,7 @@ def _reference(c: Candidate, x: torch.Tensor, mode: str):
         if saved is not None:
             router.forward = saved
     order = _router_order(c, seen[0]) if seen else ("logits", "weights", "indices")
-    return ref, ref_aux, order, mode == "block" and _returns_logits(raw)
+    return ref, ref_aux, order, raw[1] if mode == "block" and _returns_logits(raw) else None
 
 
 def _pair(c: Candidate, x2: torch.Tensor, order: tuple[str, str, str] | None = None):
@@ -218,13 +218,14 @@ def settle(c: Candidate) -> MoEBlockSpec:
         if mode == "components" and _router_returns_logits_only(c, x):
             mode = "block"  # (DBRX) top-k is in the block's forward: the canonical forward replaces it
         try:
-            ref, ref_aux, outputs, returns_logits = _reference(c, x, mode)
+            ref, ref_aux, outputs, ref_second = _reference(c, x, mode)
+            returns_logits = ref_second is not None  # the canonical block returns its router logits there
             probe = lambda: block(x)  # noqa: E731
         except RecognitionError as own_fails:
             if mode != "components" or isinstance(own_fails, UnsupportedFeatureError):
                 raise
             try:  # a decoder layer holding router and experts: probe the pair
-                (ref, outputs), ref_aux, returns_logits = _pair(c, x[0]), None, False
+                (ref, outputs), ref_aux, returns_logits, ref_second = _pair(c, x[0]), None, False, None
             except RecognitionError:
                 raise own_fails from None
             probe = lambda: _pair(c, x[0], outputs)[0]  # noqa: E731
@@ -234,12 +235,14 @@ def settle(c: Candidate) -> MoEBlockSpec:
                 "aux loss; return (output, aux_loss) so the compiled block can reproduce it"
             )
         errors = []
+        second_differs = None  # the output matched but the block's second output is not its router logits
         for v, o in itertools.product(variants, options()):
             spec = spec_for(v, o, ref_aux is not None, checked=True)
             w_in, w_out = v.full_weights()
             token = install(block, spec, w_in, w_out, 0, v.full_biases() if v.full_biases else None)
             try:
-                out, aux = _split(probe(), c.path)
+                raw = probe()
+                out, aux = _split(raw, c.path)
             except MoECompileError:
                 raise
             except Exception as e:  # the canonical form met an interface it does not model
@@ -254,10 +257,18 @@ def settle(c: Candidate) -> MoEBlockSpec:
             if ok and ref_aux is not None:
                 ok, aerr = _close(aux, ref_aux)
                 err = max(err, aerr)
+            if ok and ref_second is not None:
+                ok, serr = _close(raw[1], ref_second)
+                second_differs = second_differs or (None if ok else serr)
             if ok:
                 c.use(v)
                 return spec
             errors.append((err, spec))
+    if second_differs is not None:
+        raise UnsupportedFeatureError(
+            f"{c.path}: forward returns (output, {tuple(ref_second.shape)} tensor) and the output is reproduced, but "
+            f"the second tensor is not the router's logits (relative error {second_differs:.2e}); a MoE block may "
+            "return its output, (output, aux-loss scalar) or (output, router logits)")
     err, best = min(errors, key=lambda e: e[0])
     fn = custom_backward(getattr(block, c.router_attr), c.experts.d_model)
     if fn is not None:  # name the feature the probe could not reproduce

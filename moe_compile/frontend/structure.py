@@ -140,6 +140,13 @@ def ffn_shape(mod: nn.Module, d: int, where: str) -> FFNShape | None:
             )
         if len(group) == 3 and (lins[1].in_features, lins[1].out_features) != (d, h):
             raise RecognitionError(f"{where}: gate and up projections differ in shape")
+        # the compiled FFN reads only these weights: anything else (an adapter, a scale) would be dropped
+        custom = [f"{n} ({type(lin).__name__})" for n, lin in zip(group, lins) if type(lin).forward is not nn.Linear.forward]
+        if custom:
+            raise UnsupportedFeatureError(f"{where}: Linear layers with their own forward are not supported: {custom}")
+        extra = [p for p, _ in mod.named_parameters() if p not in {f"{n}.weight" for n in group}]
+        if extra:
+            raise UnsupportedFeatureError(f"{where}: FFN parameters {extra} besides the Linears' weights are not supported")
         return FFNShape(group, h, find_activation((mod,), where))
     return None
 

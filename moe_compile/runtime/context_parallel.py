@@ -45,6 +45,9 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
         raise OptionError("context parallelism needs input_ids of shape [batch, sequence]")
     if "inputs_embeds" in kwargs:
         raise OptionError("context parallelism shards input_ids; inputs_embeds is not supported")
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or "cache_position" in kwargs:
+        raise OptionError("context parallelism: a KV cache (use_cache=True, past_key_values, cache_position) would "
+                          "hold one rank's shard of the keys, out of sequence order; pass use_cache=False")
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool((mask != 0).all()):
         raise OptionError("context parallelism: attention_mask with padding is not supported (the sharded "
@@ -54,6 +57,12 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
     out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels", "position_ids")}
     out["input_ids"] = ids[:, idx]
     given = kwargs.get("position_ids")
+    if given is not None and (given.shape != ids.shape or not bool((given[:, 1:] > given[:, :-1]).all())):
+        # the sharded attention's causal mask compares positions: restarting (packed) ones would let a token
+        # see later tokens of the sequence
+        raise OptionError(f"context parallelism: position_ids must have input_ids' shape {tuple(ids.shape)} and "
+                          f"increase along every sequence (got shape {tuple(given.shape)}"
+                          + (")" if given.shape != ids.shape else ", with restarts, e.g. packed sequences)"))
     out["position_ids"] = (given[:, idx] if given is not None else idx.unsqueeze(0).expand(b, -1)).contiguous()
     labels = kwargs.get("labels")
     if labels is not None:
