@@ -118,6 +118,27 @@ def test_expert_parameters_the_compiled_ffn_would_drop_are_refused():
         moe_compile(model)
 
 
+class _LayerScaled(MoEFeedForward):
+    """A learned output scale initialised to ones: the probe's outputs match without it, its gradient would not."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.out_scale = nn.Parameter(torch.ones(cfg.d_model))
+
+    def forward(self, hidden):
+        y, aux = super().forward(hidden)
+        return y * self.out_scale, aux
+
+
+def test_a_block_parameter_the_compiled_form_does_not_read_is_refused():
+    model = build_model("tiny")
+    block = _LayerScaled(TinyMoEConfig(vocab_size=256))
+    block.load_state_dict(model.layers[0].mlp.state_dict(), strict=False)
+    model.layers[0].mlp = block
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: parameters \['out_scale'\] are outside"):
+        moe_compile(model)
+
+
 class _ReturnsProbs(MoEFeedForward):
     """Returns (output, router probabilities): a second output the canonical block would not reproduce."""
 

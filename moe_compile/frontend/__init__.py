@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch.nn as nn
 
+from ..errors import UnsupportedFeatureError
 from .canonical import ExpertWeights, expert_tensors, install, set_context
 from .probe import settle
 from .recognize import Candidate, find_candidates, read_block, register_recognizer, unregister_recognizer
@@ -32,8 +33,25 @@ def recognize(model: nn.Module) -> list[tuple[MoEBlockSpec, Candidate]]:
     """Find, read and probe every MoE block. Raises RecognitionError naming the block on failure."""
     out = []
     for i, c in enumerate(find_candidates(model)):
-        out.append((replace(settle(c), index=i), c))
+        spec = replace(settle(c), index=i)
+        _check_block_reads_all(c.block, spec)
+        out.append((spec, c))
     return out
+
+
+def _check_block_reads_all(block: nn.Module, spec: MoEBlockSpec) -> None:
+    """In "block" mode the compiled forward replaces the block's own and reads only its router, experts,
+    shared expert and gate: a parameter elsewhere in the block would be dropped, and the probe cannot
+    always see it (a scale initialised to ones, a branch whose output starts at zero)."""
+    if spec.mode != "block":
+        return
+    read = [a for a in (spec.router_attr, spec.experts_attr, spec.shared_attr, spec.shared_gate_attr) if a]
+    extra = [n for n, _ in block.named_parameters()
+             if n != spec.router.bias_attr and not any(n == a or n.startswith(a + ".") for a in read)]
+    if extra:
+        raise UnsupportedFeatureError(
+            f"{spec.path}: parameters {extra} are outside the block's router, experts and shared expert; its compiled "
+            "form would not use them (not supported)")
 
 
 def canonicalize(blocks: list[tuple[MoEBlockSpec, Candidate]], ep_size: int, ep_rank: int, ctx: int) -> None:
