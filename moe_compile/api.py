@@ -163,7 +163,7 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     # SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
     other = sorted({k for k in kinds if k not in CP_LAYER_KINDS})
-    if other or getattr(cfg, "attention_chunk_size", None) and not types:
+    if other or (getattr(cfg, "attention_chunk_size", None) and not types):
         layers = [i for i, t in enumerate(kinds) if t in other]
         raise UnsupportedFeatureError(
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "

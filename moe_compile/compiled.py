@@ -87,7 +87,7 @@ class CompiledMoE(nn.Module):
                 raise OptionError(f"train_step(microbatches={microbatches}): this pipeline's schedule was compiled "
                                   f"for microbatches={self.pipeline.schedule.microbatches}")
             return self.pipeline.train_step(batch)
-        from .runtime.pipeline_runtime import microbatch_weights, split_batch_check
+        from .runtime.pipeline_runtime import microbatch_weights, split_batch_check, weighted_loss
 
         m = microbatches or self.program.options.microbatches
         b = split_batch_check(batch, m)
@@ -99,7 +99,7 @@ class CompiledMoE(nn.Module):
             with self.no_sync() if j < m - 1 else contextlib.nullcontext():
                 loss = self(**mb).loss
                 (loss * w[j].to(loss.dtype)).backward()
-            part = torch.where(w[j] > 0, loss.detach().float() * w[j], 0.0)  # no loss tokens: loss NaN, weight 0
+            part = weighted_loss(loss.detach().float(), w[j])
             total = part if total is None else total + part
         return total
 
@@ -255,8 +255,9 @@ class CompiledMoE(nn.Module):
         return ledger_for(self, **kw)
 
     def close(self) -> None:
-        """Release the runtime context, its symmetric heap (NVSHMEM finalizes with the last heap of
-        the process) and the gradient buckets' shared memory. Collective over the EP group when the transport is symmetric: call on every rank."""
+        """Release the runtime context, its symmetric heap (NVSHMEM finalizes with the last heap of the
+        process) and the gradient buckets' shared memory. Collective over the EP group when the transport
+        is symmetric: call on every rank."""
         try:
             leases = get_context(self.program.ctx_id).leases
         except RuntimeFault:  # closed already

@@ -259,7 +259,8 @@ def settle(c: Candidate) -> MoEBlockSpec:
                 err = max(err, aerr)
             if ok and ref_second is not None:
                 ok, serr = _close(raw[1], ref_second)
-                second_differs = second_differs or (None if ok else serr)
+                if not ok:
+                    second_differs = serr
             if ok:
                 c.use(v)
                 return spec

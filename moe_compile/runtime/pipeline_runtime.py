@@ -419,11 +419,14 @@ def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
                           "0..S-1; position_ids cannot be passed (pass none)")
 
 
-def _weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    loss = output[0] if isinstance(output, tuple | list) else output
-    w = target.reshape(()).to(loss.dtype)
-    # a microbatch without loss tokens has weight 0 and loss 0/0 = NaN: it adds 0, not NaN, to the sum
+def weighted_loss(loss: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w_j · loss_j; a microbatch without loss tokens has weight 0 and loss 0/0 = NaN: it adds 0, not NaN."""
+    w = w.to(loss.dtype)
     return torch.where(w > 0, loss * w, torch.zeros_like(loss))
+
+
+def _weighted_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return weighted_loss(output[0] if isinstance(output, tuple | list) else output, target.reshape(()))
 
 
 def _layer_index(path: str, layers_path: str) -> int | None:

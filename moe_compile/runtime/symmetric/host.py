@@ -109,9 +109,9 @@ def _map(path: str, nbytes: int, create: bool, what: str = "") -> mmap.mmap:
     try:
         if create:
             os.ftruncate(fd, max(nbytes, 1))
-        elif os.fstat(fd).st_size < max(nbytes, 1):  # the peer allocated another shape: a collective mismatch
+        elif (have := os.fstat(fd).st_size) < max(nbytes, 1):  # the peer allocated another shape
             raise RuntimeFault(f"{what}: this rank allocates {nbytes} bytes but a peer's segment {path} has "
-                               f"{os.fstat(fd).st_size}; every member must allocate the same shape, in the same order")
+                               f"{have}; every member must allocate the same shape, in the same order")
         return mmap.mmap(fd, max(nbytes, 1))
     finally:
         os.close(fd)
@@ -153,11 +153,21 @@ class HostShmHeap(SymmetricHeap):
         try:
             dist.barrier(group=self.group)  # every segment exists
             what = f"host shared-memory allocation {name!r} {tuple(shape)} {dtype}, member {self.rank} of {self.size}"
-            maps = [mine if p == self.rank else _map(paths[p], nbytes, create=False, what=what)
-                    for p in range(self.size)]
-            dist.barrier(group=self.group)  # every member mapped every segment
+            maps, bad = [], None
+            for p in range(self.size):
+                try:
+                    maps.append(mine if p == self.rank else _map(paths[p], nbytes, create=False, what=what))
+                except RuntimeFault as e:  # a shape mismatch: every member must hear of it before anyone unlinks
+                    bad = bad or e
+            flag = torch.tensor([int(bad is not None)])
+            dist.all_reduce(flag, group=self.group)  # also the barrier: every member mapped every segment
         finally:
             os.unlink(paths[self.rank])  # the name can go (mappings keep the memory alive), also on failure
+        if bad is not None:
+            raise bad
+        if int(flag):
+            raise RuntimeFault(f"{what}: another member's segment has another size (that member names both); every "
+                               "member must allocate the same shape, in the same order")
         self._maps[n] = maps
         self._bytes += nbytes
         views = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes).view(dtype).view(shape) if nbytes
