@@ -210,6 +210,24 @@ def test_mismatched_and_truncated_checkpoints_fail_clearly(tmp_path):
     assert not same(snapshot(tgt, topt), before)
 
 
+def test_a_model_with_the_same_shapes_but_other_routing_is_refused(tmp_path):
+    """Top-k and the score function change what the same tensors compute: such a checkpoint is refused,
+    naming the block and the setting; an aux-loss coefficient is a training setting and may change."""
+    cm, opt = trained()
+    ck = save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    for kw, want in ((dict(top_k=4), r"router\.top_k: checkpoint 2, model 4"),
+                     (dict(score_func="sigmoid"), r"router\.score_func: checkpoint 'softmax', model 'sigmoid'")):
+        other, oopt = trained(seed=1, steps=1, **kw)
+        before = snapshot(other, oopt)
+        with pytest.raises(CheckpointError, match=r"saved from another model: MoE block layers\.0\.mlp differs .*"
+                                                  + want + r".*nothing was loaded"):
+            load_checkpoint(ck, other, oopt)
+        assert same(snapshot(other, oopt), before)
+    other, oopt = trained(seed=1, steps=1, lb_coef=0.05)
+    assert load_checkpoint(ck, other, oopt).step == 2
+    assert same(snapshot(other, oopt), snapshot(cm, opt))
+
+
 def flip_bit(path: Path, at: int | None = None) -> None:
     """Flip one bit of the byte in the middle of ``path`` (or at ``at``): same size, other content."""
     size = path.stat().st_size

@@ -31,9 +31,9 @@ __all__ = [
 
 def recognize(model: nn.Module) -> list[tuple[MoEBlockSpec, Candidate]]:
     """Find, read and probe every MoE block. Raises RecognitionError naming the block on failure."""
-    out = []
+    out, probe_weights = [], {}
     for i, c in enumerate(find_candidates(model)):
-        spec = replace(settle(c), index=i)
+        spec = replace(settle(c, probe_weights), index=i)
         _check_block_reads_all(c.block, spec)
         out.append((spec, c))
     return out

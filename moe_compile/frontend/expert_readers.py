@@ -63,15 +63,15 @@ def _fused_variant(path, ea, wi, dn, biases, spec_args, input_major: bool, inter
     """Canonical tensors of one reading: w_in [N, F, d] = [gate; up] rows, w_out [N, d, h], biases [N, F], [N, d]."""
     name = "gate_up_proj" if spec_args[4] else "up_proj"
     dead = wi.shape[0] - spec_args[0]  # unused experts after the N (LongCat-Flash's identity experts)
-    wi = wi[: spec_args[0]].detach() if dead else wi
 
     def canon_in(t: torch.Tensor) -> torch.Tensor:  # [N, F, …] rows (gate/up alternating → [gate; up])
         return torch.cat([t[:, 0::2], t[:, 1::2]], 1) if interleaved else t
 
-    def weights():
+    def weights():  # read at call time: the probe swaps the parameters' storage for random weights
+        w = wi[: spec_args[0]].detach() if dead else wi
         if not (input_major or interleaved):
-            return wi, dn
-        w_in = canon_in(wi.transpose(1, 2) if input_major else wi)
+            return w, dn
+        w_in = canon_in(w.transpose(1, 2) if input_major else w)
         w_out = dn.transpose(1, 2) if input_major else dn
         return w_in.detach().contiguous(), w_out.detach().contiguous()
 

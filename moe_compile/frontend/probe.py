@@ -6,6 +6,12 @@ whether a scaling attribute is the router's, whether the weights scale the exper
 reading of the expert tensors applies: layout, gate/up order, activation offset) are settled by which
 candidate reproduces the block, and no match is an error naming the block. A block whose router returns
 logits only (DBRX) or whose experts take pre-weighted rows alone (Llama 4) runs in "block" mode.
+
+Outputs alone do not pin the semantics down: with the model's own expert weights identical (sparse
+upcycling) or zero, routings that differ only in how they weight the experts give the same output, and
+mixture weights detached in the block's forward change its gradients only. So the probe runs on random
+expert weights (the model's own restored afterwards), and a candidate whose output matches must also
+match one backward's gradients (hidden states and router weight) before it is kept.
 """
 
 from __future__ import annotations
@@ -30,13 +36,13 @@ PROBE_LOGIT_STD = 2.0  # spread of the router logits on the probe batch
 # -- probe -------------------------------------------------------------------------------------
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+def _close(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> tuple[bool, float]:
     if a.shape != b.shape and a.numel() == b.numel():  # [B, S, d] against a block returning [B·S, d]
         a = a.reshape(b.shape)
     if a.shape != b.shape:
         return False, float("inf")
     tol = 1e-4 if a.dtype == torch.float32 and b.dtype == torch.float32 else 3e-2
-    scale = b.abs().max().item() + 1e-12
+    scale = max(a.abs().max().item(), b.abs().max().item(), floor) + 1e-12  # symmetric: one of them may be zero
     err = (a.float() - b.float()).abs().max().item() / scale
     return err <= tol, err
 
@@ -83,6 +89,57 @@ def _probe_router(c: Candidate, gen: torch.Generator):
         with torch.no_grad():
             for t, v in zip(tensors + scales, saved, strict=True):
                 t.copy_(v)
+
+
+PROBE_RANDOM_COLS = 64  # random columns per row of a probe expert weight, repeated across the rest
+
+
+def _random_like(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Uniform values of std 1/√fan-in (0.5 for a bias) shaped like ``p``: every row random, its columns a
+    random block of PROBE_RANDOM_COLS repeated. Rows carry the expert index in every layout ([N, r, c] and
+    flattened [N·r, c]), so the experts differ whatever the reading; a full random tensor costs 30× the
+    random numbers and 5 s per OLMoE-7B layer on a CPU core."""
+    g = gen if p.device.type == "cpu" else torch.Generator(device=p.device).manual_seed(
+        int(torch.randint(1 << 31, (1,), generator=gen)))
+    bound = (3.0 / (p.shape[-1] if p.dim() > 1 else 4.0)) ** 0.5
+    cols = min(p.shape[-1], PROBE_RANDOM_COLS) if p.dim() > 1 else p.shape[-1]
+    block = torch.empty(*p.shape[:-1], cols, dtype=p.dtype, device=p.device).uniform_(-bound, bound, generator=g)
+    return block.repeat(*([1] * (p.dim() - 1)), -(-p.shape[-1] // cols))[..., : p.shape[-1]].contiguous()
+
+
+@contextlib.contextmanager
+def _probe_experts(c: Candidate, gen: torch.Generator, cache: dict | None):
+    """Random routed-expert weights for the probe: identical experts (sparse upcycling) or zero ones would
+    let routings that weight the experts differently give the same output. The parameters' storage is
+    swapped (``.data``), not copied, so the model's own values come back untouched; they also stop
+    requiring gradients meanwhile (the probe's backward needs the hidden states' and router's only).
+    ``cache`` keeps the random tensors for the next blocks of the same structure (the i-th parameter of each:
+    a block's own tensors stay distinct, so gate and up never coincide), writing them once per model."""
+    params = [p for p in getattr(c.block, c.experts_attr).parameters() if p.is_floating_point()]
+    saved = [(p.data, p.requires_grad) for p in params]
+    cache = {} if cache is None else cache
+    try:
+        for i, p in enumerate(params):
+            key = (i, tuple(p.shape), p.dtype, p.device)
+            if key not in cache:
+                cache[key] = _random_like(p, gen)
+            p.data = cache[key]
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, (v, rg) in zip(params, saved, strict=True):
+            p.data = v
+            p.requires_grad_(rg)
+
+
+def _grads(run, x: torch.Tensor, cot: torch.Tensor, params: list[torch.Tensor], where: str) -> list[torch.Tensor]:
+    """Gradients of ⟨run(x), cot⟩ (+ its aux loss) with respect to x and ``params``; an unused one as zeros."""
+    xr = x.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        out, aux = _split(run(xr.clone()), where)  # not the leaf: a router may scale its input in place (DBRX)
+        loss = (out.reshape(cot.shape).float() * cot).sum() + (aux.float() if aux is not None else 0.0)
+        gs = torch.autograd.grad(loss, [xr, *params], allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(gs, [xr, *params], strict=True)]
 
 
 def _returns_logits(out: object) -> bool:
@@ -177,9 +234,10 @@ def _router_returns_logits_only(c: Candidate, x: torch.Tensor) -> bool:
         return False
 
 
-def settle(c: Candidate) -> MoEBlockSpec:
+def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
     """Fix the routing semantics (and which reading of the experts applies) of a candidate by the
-    probe, or from attributes alone on meta; the candidate keeps the expert reading that matched."""
+    probe, or from attributes alone on meta; the candidate keeps the expert reading that matched.
+    ``cache``: one dict across a model's blocks (see :func:`_probe_experts`)."""
     mode = "components" if c.router_kind == "hf" and not _experts_take_hidden_only(c) else "block"
     if c.router_extras.get("shared_scored"):  # its router returns the shared gammas too: the block's forward is ours
         mode = "block"
@@ -214,13 +272,13 @@ def settle(c: Candidate) -> MoEBlockSpec:
     block = c.block
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
-    with torch.no_grad(), _probe_router(c, gen):
+    with torch.no_grad(), _probe_router(c, gen), _probe_experts(c, gen, cache):
         if mode == "components" and _router_returns_logits_only(c, x):
             mode = "block"  # (DBRX) top-k is in the block's forward: the canonical forward replaces it
         try:
             ref, ref_aux, outputs, ref_second = _reference(c, x, mode)
             returns_logits = ref_second is not None  # the canonical block returns its router logits there
-            probe = lambda: block(x)  # noqa: E731
+            probe = block
         except RecognitionError as own_fails:
             if mode != "components" or isinstance(own_fails, UnsupportedFeatureError):
                 raise
@@ -228,7 +286,7 @@ def settle(c: Candidate) -> MoEBlockSpec:
                 (ref, outputs), ref_aux, returns_logits, ref_second = _pair(c, x[0]), None, False, None
             except RecognitionError:
                 raise own_fails from None
-            probe = lambda: _pair(c, x[0], outputs)[0]  # noqa: E731
+            probe = lambda inp: _pair(c, inp[0], outputs)[0]  # noqa: E731
         if ref_aux is None and (c.lb_coef or c.z_coef):
             raise RecognitionError(
                 f"{c.path}: has auxiliary-loss coefficients (lb={c.lb_coef}, z={c.z_coef}) but its forward returns no "
@@ -236,12 +294,17 @@ def settle(c: Candidate) -> MoEBlockSpec:
             )
         errors = []
         second_differs = None  # the output matched but the block's second output is not its router logits
+        grad_differs = None  # the output matched but not the gradients
+        router = getattr(block, c.router_attr)
+        params = [t for t in (_bias(router, c.weight_attr), _bias(router, c.logit_bias_attr)) if t is not None and t.requires_grad]
+        cot = torch.randn(ref.shape, generator=gen).to(ref.device)
+        ref_grads = None
         for v, o in itertools.product(variants, options()):
             spec = spec_for(v, o, ref_aux is not None, checked=True)
             w_in, w_out = v.full_weights()
             token = install(block, spec, w_in, w_out, 0, v.full_biases() if v.full_biases else None)
             try:
-                raw = probe()
+                raw = probe(x)
                 out, aux = _split(raw, c.path)
             except MoECompileError:
                 raise
@@ -261,6 +324,22 @@ def settle(c: Candidate) -> MoEBlockSpec:
                 ok, serr = _close(raw[1], ref_second)
                 if not ok:
                     second_differs = serr
+            if ok:  # the same output; its gradients too? (mixture weights detached in the block: not)
+                token = install(block, spec, w_in, w_out, 0, v.full_biases() if v.full_biases else None)
+                try:
+                    grads = _grads(probe, x, cot, params, c.path)
+                finally:
+                    uninstall(block, spec, token)
+                if ref_grads is None:
+                    ref_grads = _grads(probe, x, cot, params, c.path)
+                # a router gradient that is zero in exact arithmetic (top-1 renormalised: every weight 1) is
+                # rounding noise in both: measured against the size a gradient through the logits would have
+                floor = 1e-3 * x[0].shape[0] * x.abs().max().item() * cot.abs().max().item() * ref.abs().max().item()
+                gerr = max(_close(a, b, floor if i else 0.0)[1]
+                           for i, (a, b) in enumerate(zip(grads, ref_grads, strict=True)))
+                ok = gerr <= (1e-4 if ref.dtype == torch.float32 else 3e-2)
+                if not ok:
+                    grad_differs = gerr if grad_differs is None else min(grad_differs, gerr)
             if ok:
                 c.use(v)
                 return spec
@@ -270,8 +349,14 @@ def settle(c: Candidate) -> MoEBlockSpec:
             f"{c.path}: forward returns (output, {tuple(ref_second.shape)} tensor) and the output is reproduced, but "
             f"the second tensor is not the router's logits (relative error {second_differs:.2e}); a MoE block may "
             "return its output, (output, aux-loss scalar) or (output, router logits)")
-    err, best = min(errors, key=lambda e: e[0])
     fn = custom_backward(getattr(block, c.router_attr), c.experts.d_model)
+    if grad_differs is not None:
+        raise UnsupportedFeatureError(
+            f"{c.path}: the compiled form reproduces the block's output on a probe batch but not its gradients "
+            f"(closest: relative error {grad_differs:.2e}); the block's backward is not that of its forward (mixture "
+            "weights or the router's input detached, a straight-through estimator"
+            + (f", the custom autograd Function {fn} in its router" if fn else "") + "): not supported")
+    err, best = min(errors, key=lambda e: e[0])
     if fn is not None:  # name the feature the probe could not reproduce
         raise UnsupportedFeatureError(
             f"{c.path}.{c.router_attr}: the router computes its weights through a custom autograd Function ({fn}) "

@@ -187,6 +187,17 @@ def _ffn_backward_rows(grad_out, recv, pre, counts, w_in, w_out, activation, gat
     return g_recv, g_w_in, g_w_out, g_pre
 
 
+def _ffn_input_grad(grad_out, recv, pre, counts, w_in, w_out, activation, gated) -> torch.Tensor:
+    """g_recv [cap, d] of the grouped FFN alone (no weight gradients: the experts are frozen)."""
+    valid = int(counts.sum())
+    if not valid:
+        return torch.zeros_like(recv)
+    g_a = grouped_mm(grad_out[:valid], w_out, counts)
+    a, act_gate = ffn_activation_parts(pre[:valid], activation, gated)
+    g_pre = ffn_activation_backward(g_a, pre[:valid], activation, gated, act_gate)
+    return _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
+
+
 @torch.library.custom_op("moe::grouped_ffn_backward", mutates_args=())
 def grouped_ffn_backward(
     grad_out: torch.Tensor,
@@ -320,6 +331,13 @@ def _re_bwd(ctx, grad_y):
     out, pre = grouped_ffn(xs, counts, w_in, w_out, activation, gated, block, *biases)
     g_out, g_w = unpermute_backward(grad_y, out, order, weights, block)
     g_b = (None, None)
+    need = ctx.needs_input_grad  # as long as the inputs given (the biases are optional)
+    if not any(need[i] for i in (3, 4, 10, 11) if i < len(need)):  # frozen experts (and the probe's backward)
+        g_x = None
+        if need[0]:
+            g_xs = _ffn_input_grad(g_out, xs, pre, counts, w_in, w_out, activation, gated)
+            g_x = permute_backward(g_xs, order, x.shape[0], idx.shape[1], block)
+        return g_x, None, g_w, None, None, None, None, None, None, None, None, None
     if biases:
         g_xs, g_w_in, g_w_out, *g_b = grouped_ffn_biased_backward(
             g_out, xs, pre, counts, w_in, w_out, *biases, activation, gated, block)

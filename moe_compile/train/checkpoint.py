@@ -342,14 +342,14 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         mine = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.glob(f"__{_rank()}_*.distcp"))}
     except OSError as e:
         herr = f"rank {_rank()} could not hash its files: {type(e).__name__}: {e}"
-    hashed = _all_gather((mine, herr))  # also the barrier: every rank's files are complete
+    hashed = _all_gather((mine, herr, _routing(cm)))  # also the barrier: every rank's files are complete
     err = ""
     if _rank() == 0:
         try:
-            if errs := [h for _, h in hashed if h]:
+            if errs := [h for _, h, _ in hashed if h]:
                 raise OSError(errs[0])
             files = _files(tmp)
-            sums = {k: v for m, _ in hashed for k, v in m.items()}
+            sums = {k: v for m, _, _ in hashed for k, v in m.items()}
             sums = {rel: sums.get(rel) or file_sha256(tmp / rel) for rel in files}
             manifest = {
                 "format": FORMAT, "step": step, "data_position": data_position, "optimizer_step": opt.step_count,
@@ -357,6 +357,7 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "tensors": {k: _shape(v) for k, v in state.items()}, "extra": extra or {}, "files": files,
                 "sha256": sums, "sequence": max((_sequence(p) for p in _committed(root)), default=-1) + 1,
+                "model_class": _model_class(cm), "moe_blocks": {k: v for _, _, r in hashed for k, v in r.items()},
             }
             manifest["manifest_sha256"] = _manifest_sha256(manifest)
             _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -388,6 +389,48 @@ def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None
         for p in _committed(root)[:-keep_last]:
             if p != final:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+# -- what the tensors mean -------------------------------------------------------------------------
+# Names and shapes do not pin a model down: top-k, the score function, renormalisation or an expert's
+# activation change what the same tensors compute. The manifest records them (and the model's class), and
+# a load into a model that differs is refused. Aux-loss coefficients are training settings, not the model's.
+_NOT_MODEL = frozenset({"lb_coef", "z_coef"})
+
+
+def _model_class(cm: CompiledMoE) -> str:
+    return f"{type(cm.model).__module__}.{type(cm.model).__qualname__}"
+
+
+def _routing(cm: CompiledMoE) -> dict[str, dict[str, Any]]:
+    """Per MoE block of this rank's program: its router's and experts' semantics, JSON-normalised."""
+    from dataclasses import asdict
+
+    out = {}
+    for path, spec in cm.program.blocks.items():
+        router = {k: v for k, v in asdict(spec.router).items() if k not in _NOT_MODEL}
+        out[path] = json.loads(json.dumps({"router": router, "experts": asdict(spec.experts), "mode": spec.mode}))
+    return out
+
+
+def _check_semantics(path: Path, manifest: dict[str, Any], cm: CompiledMoE) -> None:
+    """The checkpoint's model class and MoE blocks' routing and experts must be the model's (checkpoints
+    written before these were recorded are not checked)."""
+    where = f"checkpoint {path} was saved from another model"
+    if "model_class" in manifest and manifest["model_class"] != _model_class(cm):
+        raise CheckpointError(f"{where} ({manifest['model_class']}, this one is {_model_class(cm)}); nothing was loaded")
+    saved = manifest.get("moe_blocks", {})
+    for block, now in _routing(cm).items():
+        if block not in saved:
+            continue  # older manifests, or a block the saving ranks did not hold
+        diff = [f"{part}.{k}: checkpoint {saved[block].get(part, {}).get(k)!r}, model {v!r}"
+                for part in ("router", "experts") for k, v in now[part].items()
+                if saved[block].get(part, {}).get(k, v) != v]
+        if saved[block].get("mode", now["mode"]) != now["mode"]:
+            diff.append(f"mode: checkpoint {saved[block]['mode']!r}, model {now['mode']!r}")
+        if diff:
+            raise CheckpointError(f"{where}: MoE block {block} differs in what its tensors compute ("
+                                  + "; ".join(diff[:4]) + "); nothing was loaded")
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -452,6 +495,14 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     train = _train_tensors()
     _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}},
                          _foreign(cm))
+    err = ""
+    try:  # every rank checks its own blocks (pipeline stages hold different ones); all refuse together
+        _check_semantics(path, manifest, cm)
+    except CheckpointError as e:
+        err = str(e)
+    if not _all_ok(not err):
+        raise CheckpointError(err or f"checkpoint {path} was saved from another model (see the other ranks' "
+                              "error); nothing was loaded")
     trainable = {f"model.{n}" for n in opt.slots}
     # Trainable parameters come back from the FP32 main weights (copy-back); frozen ones
     # (requires_grad=False, no main weight) from their saved values, with buffers, optimizer, position.

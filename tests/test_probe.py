@@ -1,0 +1,145 @@
+"""The probe settles routing semantics that the block's output alone does not show: identical experts
+(sparse upcycling), mixture weights detached in the forward. Checked against the dense model training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_compile import moe_compile
+from moe_compile.errors import UnsupportedFeatureError
+from moe_compile.models import MoEFeedForward, TinyMoEConfig
+
+from .common import build_model, grads_of, make_batches, rel_err
+
+
+class _Unannounced(MoEFeedForward):
+    """The tiny block with its score function in the forward only (no ``score_func`` attribute to read):
+    the probe must tell softmax from sigmoid by what the block computes. No aux loss."""
+
+    def __init__(self, cfg: TinyMoEConfig) -> None:
+        super().__init__(cfg)
+        self.sigmoid = cfg.score_func == "sigmoid"
+        del self.score_func
+
+    def forward(self, hidden):
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        logits = self.router(x).float()
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        w, idx = torch.topk(scores, self.top_k, dim=-1)
+        y = self.expert_mix(x, idx, (w / w.sum(-1, keepdim=True)).to(x.dtype)).reshape(shape)
+        return y, logits.new_zeros(())
+
+
+def _upcycled(score: str) -> torch.nn.Module:
+    """Every expert a copy of expert 0 (a dense FFN upcycled into an MoE)."""
+    model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
+    cfg = TinyMoEConfig(vocab_size=256, lb_coef=0.0, z_coef=0.0, score_func=score)
+    for layer in model.layers:
+        block = _Unannounced(cfg)
+        block.load_state_dict(layer.mlp.state_dict())
+        for e in block.experts[1:]:
+            e.load_state_dict(block.experts[0].state_dict())
+        layer.mlp = block
+    return model
+
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_upcycled_identical_experts_train_like_the_dense_model(score):
+    """With identical experts every renormalised top-k routing gives the same output (the probe tried softmax
+    first and kept it); only the block's own rule trains right once the experts drift apart. Three SGD steps, loss and every gradient each step."""
+    dense = _upcycled(score)
+    model = moe_compile(copy.deepcopy(dense))
+    assert {b.router.score_func for b in model.program.blocks.values()} == {score}
+    opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
+    opt_m = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x in make_batches(1, batch=2, seq=16, seed=0) * 3:
+        ld = dense(input_ids=x, labels=x).loss
+        lm = model(input_ids=x, labels=x).loss
+        ld.backward()
+        lm.backward()
+        assert abs(lm.item() - ld.item()) <= 1e-5 * abs(ld.item())
+        gd, gm = grads_of(dense), model.full_grads()
+        scale = max(g.abs().max().item() for g in gd.values())  # the routers' gradients start at ~0 exactly
+        for name, g in gd.items():
+            assert (gm[name] - g).abs().max().item() <= 1e-5 * scale, name
+        for opt in (opt_d, opt_m):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    experts = dense.layers[0].mlp.experts
+    assert rel_err(experts[3].w1.weight, experts[0].w1.weight) > 1e-3  # the experts did drift apart
+
+
+def test_probe_leaves_the_model_weights_bit_identical():
+    from moe_compile.frontend import recognize
+
+    model = _upcycled("sigmoid")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    recognize(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+class _DetachedWeights(MoEFeedForward):
+    """Mixture weights detached (no gradient into the router through them): the output is the same as the
+    plain block's, the gradients are not."""
+
+    def forward(self, hidden):
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        scores = torch.softmax(self.router(x).float(), dim=-1)
+        w, idx = torch.topk(scores, self.top_k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).detach()
+        return self.expert_mix(x, idx, w.to(x.dtype)).reshape(shape)
+
+
+def test_detached_mixture_weights_are_refused():
+    model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
+    block = _DetachedWeights(TinyMoEConfig(vocab_size=256, lb_coef=0.0, z_coef=0.0))
+    block.load_state_dict(model.layers[1].mlp.state_dict())
+    model.layers[1].mlp = block
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.1\.mlp: the compiled form reproduces the block's "
+                                                      r"output on a probe batch but not its gradients"):
+        moe_compile(model)
+
+
+def test_a_router_gradient_zero_in_exact_arithmetic_is_not_a_mismatch():
+    """Top-1 renormalised: every mixture weight is 1, so the router's gradient is rounding noise in the block
+    and in its compiled form alike; the probe must not call that a different backward."""
+    model = build_model("tiny", top_k=1, lb_coef=0.0, z_coef=0.0)
+    dense = copy.deepcopy(model)
+    cm = moe_compile(model)
+    x = make_batches(1)[0]
+    dense(input_ids=x, labels=x).loss.backward()
+    cm(input_ids=x, labels=x).loss.backward()
+    gd, gm = grads_of(dense), cm.full_grads()
+    scale = max(g.abs().max().item() for g in gd.values())
+    assert max((gm[n] - g).abs().max().item() for n, g in gd.items()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_routed_experts_input_gradient_with_frozen_experts(biased):
+    """The eager routed-experts op skips the expert weights' gradients when none is wanted (frozen experts,
+    the probe's backward); the input's and mixture weights' gradients still match plain torch ops."""
+    g = torch.Generator().manual_seed(0)
+    t, d, h, n, k = 12, 8, 6, 4, 2
+    x = torch.randn(t, d, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g, requires_grad=True)
+    w_in, w_out = torch.randn(n, 2 * h, d, generator=g), torch.randn(n, d, h, generator=g)
+    b = (torch.randn(n, 2 * h, generator=g), torch.randn(n, d, generator=g)) if biased else ()
+    y = torch.ops.moe.routed_experts(x, idx, w, w_in, w_out, "silu", True, n, 0, "blk", *b)
+    cot = torch.randn(t, d, generator=g)
+    gx, gw = torch.autograd.grad((y * cot).sum(), [x, w])
+    ref = torch.zeros(t, d)
+    for tok in range(t):
+        for j in range(k):
+            e = int(idx[tok, j])
+            pre = w_in[e] @ x[tok] + (b[0][e] if biased else 0)
+            out = w_out[e] @ (F.silu(pre[:h]) * pre[h:]) + (b[1][e] if biased else 0)
+            ref = ref.index_add(0, torch.tensor([tok]), (w[tok, j] * out)[None])
+    rx, rw = torch.autograd.grad((ref * cot).sum(), [x, w])
+    assert rel_err(gx, rx) < 1e-5 and rel_err(gw, rw) < 1e-5
