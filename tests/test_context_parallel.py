@@ -138,7 +138,8 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     for kw in ({"input_ids": b, "labels": b},
                {"input_ids": b[:, :8], "labels": b[:, :8], "attention_mask": torch.tensor([[1] * 7 + [0]] * 2)},
                {"input_ids": b[:, :8], "labels": b[:, :8], "position_ids": packed},
-               {"input_ids": b[:, :8], "use_cache": True}):
+               {"input_ids": b[:, :8], "use_cache": True},
+               {"input_ids": b[:, :8], "labels": b[:, :8], "token_type_ids": torch.zeros_like(b[:, :8])}):
         try:
             cm(**kw)
         except OptionError as e:
@@ -148,13 +149,18 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     x = make_batches(1, 2, 8, seed=2)[0]
     whole = cm(input_ids=x, labels=x).loss.item()
     as_tuple = cm(input_ids=x, labels=x, return_dict=False)[0].item()
+    shifted = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], 1)  # transformers' own shift
+    shifted[0, 3] = -100  # and a masked target: given as shift_labels, sharded as they are
+    dense_x = _model("olmoe")
+    want = dense_x(input_ids=x, shift_labels=shifted, labels=x).loss.item()
+    given = cm(input_ids=x, shift_labels=shifted).loss.item()
     cm.close()
-    return msgs, (whole, as_tuple)
+    return msgs, (whole, as_tuple, want, given)
 
 
 def test_context_parallel_bad_input_is_a_clear_error():
-    for msgs, (whole, as_tuple) in run_ranks(bad_cp_worker, 2):
-        assert len(msgs) == 9, msgs
+    for msgs, (whole, as_tuple, want, given) in run_ranks(bad_cp_worker, 2):
+        assert len(msgs) == 10, msgs
         assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
         assert "output_router_logits=True" in msgs[1]
         assert "layers of kind ['linear_attention']" in msgs[2]
@@ -164,7 +170,9 @@ def test_context_parallel_bad_input_is_a_clear_error():
         assert "attention_mask with padding" in msgs[6]
         assert "position_ids must have input_ids' shape (2, 8) and increase" in msgs[7] and "packed" in msgs[7]
         assert "a KV cache (use_cache=True" in msgs[8]
+        assert "['token_type_ids'] ((2, 8)) look per-token and would not be sharded" in msgs[9]
         assert as_tuple == whole, (as_tuple, whole)
+        assert abs(given - want) <= 1e-5 * abs(want), (given, want)
 
 
 @pytest.mark.slow

@@ -103,7 +103,7 @@ def _random_like(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         int(torch.randint(1 << 31, (1,), generator=gen)))
     bound = (3.0 / (p.shape[-1] if p.dim() > 1 else 4.0)) ** 0.5
     cols = min(p.shape[-1], PROBE_RANDOM_COLS) if p.dim() > 1 else p.shape[-1]
-    block = torch.empty(*p.shape[:-1], cols, dtype=p.dtype, device=p.device).uniform_(-bound, bound, generator=g)
+    block = torch.empty(*p.shape[:-1], cols, device=p.device).uniform_(-bound, bound, generator=g).to(p.dtype)
     return block.repeat(*([1] * (p.dim() - 1)), -(-p.shape[-1] // cols))[..., : p.shape[-1]].contiguous()
 
 

@@ -8,8 +8,9 @@ small); the compiled program keeps only this rank's shard of every activation:
     inputs   input_ids[:, I_r], position_ids = global positions I_r (the model's own rotary / position
              code sees the real positions), no padding mask (absent or all ones)
     labels   shifted over the whole sequence first (position i predicts token i+1; the last position
-             −100), then sharded: shift_labels = shifted[:, I_r], so no token is lost at chunk edges;
-             num_items_in_batch = the whole batch's count of loss tokens
+             −100), then sharded: shift_labels = shifted[:, I_r], so no token is lost at chunk edges
+             (a user's shift_labels [B, S] are sharded as given); num_items_in_batch = the whole batch's
+             count of loss tokens. Any other per-token tensor ([B, S, …]) is refused by name
     loss     each rank's part = Σ its tokens' losses / num_items_in_batch; the CP group's sum (LossSum)
              is the whole-sequence mean loss, identical on its ranks
     logits   this rank's shard, positions I_r (``cm.cp_positions(S)``)
@@ -53,8 +54,14 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
         raise OptionError("context parallelism: attention_mask with padding is not supported (the sharded "
                           "attention is causal over the whole sequence); pass full sequences without a mask")
     b, s = ids.shape
+    handled = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
+    per_token = [k for k, v in kwargs.items() if k not in handled and isinstance(v, torch.Tensor)
+                 and v.dim() >= 2 and tuple(v.shape[:2]) == (b, s)]
+    if per_token:  # it would reach the model whole, beside one shard of the tokens
+        raise OptionError(f"context parallelism shards {list(handled)}; {per_token} "
+                          f"({tuple(kwargs[per_token[0]].shape)}) look per-token and would not be sharded: not supported")
     idx = shard_positions(s, cp, rank).to(ids.device)
-    out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels", "position_ids")}
+    out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels", "shift_labels", "position_ids")}
     out["input_ids"] = ids[:, idx]
     given = kwargs.get("position_ids")
     if given is not None and (given.shape != ids.shape or not bool((given[:, 1:] > given[:, :-1]).all())):
@@ -64,9 +71,13 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
                           f"increase along every sequence (got shape {tuple(given.shape)}"
                           + (")" if given.shape != ids.shape else ", with restarts, e.g. packed sequences)"))
     out["position_ids"] = (given[:, idx] if given is not None else idx.unsqueeze(0).expand(b, -1)).contiguous()
-    labels = kwargs.get("labels")
-    if labels is not None:
+    labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
+    if shifted is not None and tuple(shifted.shape) != (b, s):
+        raise OptionError(f"context parallelism: shift_labels must have input_ids' shape {(b, s)} "
+                          f"(got {tuple(shifted.shape)})")
+    if shifted is None and labels is not None:  # the user's shift_labels win, as in transformers' loss
         shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
+    if shifted is not None:
         out["labels"] = out["shift_labels"] = shifted[:, idx].contiguous()
         if count:
             out["num_items_in_batch"] = (shifted != -100).sum()
