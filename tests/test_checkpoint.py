@@ -226,6 +226,16 @@ def test_a_model_with_the_same_shapes_but_other_routing_is_refused(tmp_path):
     other, oopt = trained(seed=1, steps=1, lb_coef=0.05)
     assert load_checkpoint(ck, other, oopt).step == 2
     assert same(snapshot(other, oopt), snapshot(cm, opt))
+    # How the source model stores its experts, and which module its class came from (a trust_remote_code
+    # model's module path holds its revision), are not what the tensors compute: these load.
+    model = build_model("tiny", seed=1, expert_layout="stacked")
+    model.__class__ = type(type(model).__name__, (type(model),), {"__module__": "copied_dir.modeling"})
+    other = moe_compile(model)
+    oopt = OLMoDDPOptimizer(other, lr=1e-2, weight_decay=0.01)
+    assert load_checkpoint(ck, other, oopt).step == 2
+    x = make_batches(1, seed=5)[0]
+    with torch.no_grad():
+        assert other(input_ids=x, labels=x).loss.item() == cm(input_ids=x, labels=x).loss.item()
 
 
 def flip_bit(path: Path, at: int | None = None) -> None:

@@ -143,3 +143,37 @@ def test_routed_experts_input_gradient_with_frozen_experts(biased):
             ref = ref.index_add(0, torch.tensor([tok]), (w[tok, j] * out)[None])
     rx, rw = torch.autograd.grad((ref * cot).sum(), [x, w])
     assert rel_err(gx, rx) < 1e-5 and rel_err(gw, rw) < 1e-5
+
+
+class _UpFirstExperts(torch.nn.Module):
+    """Input-major fused experts [N, d, 2h] whose first half is *up* (no reading the compiler has): with
+    h a multiple of the probe weights' period, a periodic random fill made both halves equal and the
+    block settled as gate-first, compiling a different model."""
+
+    def __init__(self, n, d, h):
+        super().__init__()
+        self.num_experts = n
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(n, d, 2 * h) * d**-0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(n, h, d) * h**-0.5)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            up, gate = (hidden_states[tok] @ self.gate_up_proj[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, (self.act_fn(gate) * up) @ self.down_proj[e] * top_k_weights[tok, pos, None])
+        return out
+
+
+def test_a_gate_up_order_the_compiler_lacks_is_refused():
+    from moe_compile.errors import RecognitionError
+    from moe_compile.models.hf import tiny_family_model
+
+    torch.manual_seed(0)
+    model = tiny_family_model("mixtral", seed=0, intermediate_size=64)
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        layer.mlp.experts = _UpFirstExperts(ex.num_experts, ex.hidden_dim, 64)
+    with pytest.raises(RecognitionError, match=r"model\.layers\.0\.mlp: .*no supported routing reproduces its output"):
+        moe_compile(model)

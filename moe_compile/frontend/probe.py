@@ -91,20 +91,25 @@ def _probe_router(c: Candidate, gen: torch.Generator):
                 t.copy_(v)
 
 
-PROBE_RANDOM_COLS = 64  # random columns per row of a probe expert weight, repeated across the rest
+PROBE_PERIOD = 64  # a probe weight's row c-th entry: a[c mod P] + b[c div P], P = PROBE_PERIOD
 
 
 def _random_like(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Uniform values of std 1/√fan-in (0.5 for a bias) shaped like ``p``: every row random, its columns a
-    random block of PROBE_RANDOM_COLS repeated. Rows carry the expert index in every layout ([N, r, c] and
-    flattened [N·r, c]), so the experts differ whatever the reading; a full random tensor costs 30× the
-    random numbers and 5 s per OLMoE-7B layer on a CPU core."""
+    """Uniform values of std ≈ 1/√fan-in (0.5 for a bias) shaped like ``p``, from few random numbers: entry c
+    of a row is a[c mod P] + b[c div P] with a, b random per row, so no two columns of a row are equal (a
+    repeated block alone made the gate and up halves of an input-major [N, d, 2h] tensor identical when
+    P divides h) and every row is random — rows carry the expert index in every layout ([N, r, c] and
+    flattened [N·r, c]), so the experts differ whatever the reading. A full random tensor costs 20× the
+    random numbers: 5 s per OLMoE-7B layer on a CPU core."""
     g = gen if p.device.type == "cpu" else torch.Generator(device=p.device).manual_seed(
         int(torch.randint(1 << 31, (1,), generator=gen)))
-    bound = (3.0 / (p.shape[-1] if p.dim() > 1 else 4.0)) ** 0.5
-    cols = min(p.shape[-1], PROBE_RANDOM_COLS) if p.dim() > 1 else p.shape[-1]
-    block = torch.empty(*p.shape[:-1], cols, device=p.device).uniform_(-bound, bound, generator=g).to(p.dtype)
-    return block.repeat(*([1] * (p.dim() - 1)), -(-p.shape[-1] // cols))[..., : p.shape[-1]].contiguous()
+    cols = p.shape[-1]
+    bound = (1.5 / (cols if p.dim() > 1 else 4.0)) ** 0.5  # two uniform terms: each of half the variance
+    period = min(cols, PROBE_PERIOD)
+    blocks = -(-cols // period)
+    a = torch.empty(*p.shape[:-1], 1, period, device=p.device).uniform_(-bound, bound, generator=g)
+    b = torch.empty(*p.shape[:-1], blocks, 1, device=p.device).uniform_(-bound, bound, generator=g)
+    return (a + b).to(p.dtype).flatten(-2)[..., :cols].contiguous()
 
 
 @contextlib.contextmanager
@@ -113,8 +118,8 @@ def _probe_experts(c: Candidate, gen: torch.Generator, cache: dict | None):
     let routings that weight the experts differently give the same output. The parameters' storage is
     swapped (``.data``), not copied, so the model's own values come back untouched; they also stop
     requiring gradients meanwhile (the probe's backward needs the hidden states' and router's only).
-    ``cache`` keeps the random tensors for the next blocks of the same structure (the i-th parameter of each:
-    a block's own tensors stay distinct, so gate and up never coincide), writing them once per model."""
+    ``cache`` keeps the random tensors for the next blocks of the same structure (the i-th parameter of each;
+    a block's own tensors are drawn apart), writing them once per model."""
     params = [p for p in getattr(c.block, c.experts_attr).parameters() if p.is_floating_point()]
     saved = [(p.data, p.requires_grad) for p in params]
     cache = {} if cache is None else cache

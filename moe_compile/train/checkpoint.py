@@ -393,24 +393,28 @@ def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None
 
 # -- what the tensors mean -------------------------------------------------------------------------
 # Names and shapes do not pin a model down: top-k, the score function, renormalisation or an expert's
-# activation change what the same tensors compute. The manifest records them (and the model's class), and
-# a load into a model that differs is refused. Aux-loss coefficients are training settings, not the model's.
-_NOT_MODEL = frozenset({"lb_coef", "z_coef"})
+# activation change what the same tensors compute. The manifest records them (and the model's class name),
+# and a load into a model that differs is refused. Left out: how the source model stores and names things
+# (expert layout, router tuple order, attribute names, capture mode: the checkpoint's canonical tensors are
+# the same for ModuleList and fused experts), the class's module (a trust_remote_code model's module path
+# holds its revision), and the aux-loss coefficients (training settings, not the model's).
+_NOT_MODEL = frozenset({"lb_coef", "z_coef", "outputs", "layout"})
 
 
 def _model_class(cm: CompiledMoE) -> str:
-    return f"{type(cm.model).__module__}.{type(cm.model).__qualname__}"
+    return type(cm.model).__qualname__
 
 
 def _routing(cm: CompiledMoE) -> dict[str, dict[str, Any]]:
     """Per MoE block of this rank's program: its router's and experts' semantics, JSON-normalised."""
     from dataclasses import asdict
 
-    out = {}
-    for path, spec in cm.program.blocks.items():
-        router = {k: v for k, v in asdict(spec.router).items() if k not in _NOT_MODEL}
-        out[path] = json.loads(json.dumps({"router": router, "experts": asdict(spec.experts), "mode": spec.mode}))
-    return out
+    def semantic(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k not in _NOT_MODEL and not k.endswith("_attr")}
+
+    return {path: json.loads(json.dumps({"router": semantic(asdict(spec.router)),
+                                         "experts": semantic(asdict(spec.experts))}))
+            for path, spec in cm.program.blocks.items()}
 
 
 def _check_semantics(path: Path, manifest: dict[str, Any], cm: CompiledMoE) -> None:
@@ -426,8 +430,6 @@ def _check_semantics(path: Path, manifest: dict[str, Any], cm: CompiledMoE) -> N
         diff = [f"{part}.{k}: checkpoint {saved[block].get(part, {}).get(k)!r}, model {v!r}"
                 for part in ("router", "experts") for k, v in now[part].items()
                 if saved[block].get(part, {}).get(k, v) != v]
-        if saved[block].get("mode", now["mode"]) != now["mode"]:
-            diff.append(f"mode: checkpoint {saved[block]['mode']!r}, model {now['mode']!r}")
         if diff:
             raise CheckpointError(f"{where}: MoE block {block} differs in what its tensors compute ("
                                   + "; ".join(diff[:4]) + "); nothing was loaded")
