@@ -61,7 +61,7 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
         raise OptionError(f"context parallelism shards {list(handled)}; {per_token} "
                           f"({tuple(kwargs[per_token[0]].shape)}) look per-token and would not be sharded: not supported")
     idx = shard_positions(s, cp, rank).to(ids.device)
-    out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels", "shift_labels", "position_ids")}
+    out = {k: v for k, v in kwargs.items() if k not in handled}
     out["input_ids"] = ids[:, idx]
     given = kwargs.get("position_ids")
     if given is not None and (given.shape != ids.shape or not bool((given[:, 1:] > given[:, :-1]).all())):

@@ -342,14 +342,14 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         mine = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.glob(f"__{_rank()}_*.distcp"))}
     except OSError as e:
         herr = f"rank {_rank()} could not hash its files: {type(e).__name__}: {e}"
-    hashed = _all_gather((mine, herr, _routing(cm)))  # also the barrier: every rank's files are complete
+    hashed = _all_gather((mine, herr))  # also the barrier: every rank's files are complete
     err = ""
     if _rank() == 0:
         try:
-            if errs := [h for _, h, _ in hashed if h]:
+            if errs := [h for _, h in hashed if h]:
                 raise OSError(errs[0])
             files = _files(tmp)
-            sums = {k: v for m, _, _ in hashed for k, v in m.items()}
+            sums = {k: v for m, _ in hashed for k, v in m.items()}
             sums = {rel: sums.get(rel) or file_sha256(tmp / rel) for rel in files}
             manifest = {
                 "format": FORMAT, "step": step, "data_position": data_position, "optimizer_step": opt.step_count,
@@ -357,7 +357,7 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "tensors": {k: _shape(v) for k, v in state.items()}, "extra": extra or {}, "files": files,
                 "sha256": sums, "sequence": max((_sequence(p) for p in _committed(root)), default=-1) + 1,
-                "model_class": _model_class(cm), "moe_blocks": {k: v for _, _, r in hashed for k, v in r.items()},
+                "model_class": _model_class(cm), "moe_blocks": _routing(cm),
             }
             manifest["manifest_sha256"] = _manifest_sha256(manifest)
             _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -406,7 +406,8 @@ def _model_class(cm: CompiledMoE) -> str:
 
 
 def _routing(cm: CompiledMoE) -> dict[str, dict[str, Any]]:
-    """Per MoE block of this rank's program: its router's and experts' semantics, JSON-normalised."""
+    """Per MoE block: its router's and experts' semantics, JSON-normalised. ``cm.program`` holds every block
+    on every rank (a pipeline stage's own program is a copy), so every rank records and checks the same."""
     from dataclasses import asdict
 
     def semantic(d: dict[str, Any]) -> dict[str, Any]:
@@ -426,7 +427,7 @@ def _check_semantics(path: Path, manifest: dict[str, Any], cm: CompiledMoE) -> N
     saved = manifest.get("moe_blocks", {})
     for block, now in _routing(cm).items():
         if block not in saved:
-            continue  # older manifests, or a block the saving ranks did not hold
+            continue  # a manifest from before these were recorded
         diff = [f"{part}.{k}: checkpoint {saved[block].get(part, {}).get(k)!r}, model {v!r}"
                 for part in ("router", "experts") for k, v in now[part].items()
                 if saved[block].get(part, {}).get(k, v) != v]
@@ -497,14 +498,7 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     train = _train_tensors()
     _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}},
                          _foreign(cm))
-    err = ""
-    try:  # every rank checks its own blocks (pipeline stages hold different ones); all refuse together
-        _check_semantics(path, manifest, cm)
-    except CheckpointError as e:
-        err = str(e)
-    if not _all_ok(not err):
-        raise CheckpointError(err or f"checkpoint {path} was saved from another model (see the other ranks' "
-                              "error); nothing was loaded")
+    _check_semantics(path, manifest, cm)  # the same manifest and blocks on every rank: the same verdict
     trainable = {f"model.{n}" for n in opt.slots}
     # Trainable parameters come back from the FP32 main weights (copy-back); frozen ones
     # (requires_grad=False, no main weight) from their saved values, with buffers, optimizer, position.
