@@ -127,6 +127,60 @@ def test_keep_last_and_latest_follow_the_commit_order(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000012"
 
 
+def test_a_crash_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """keep_last removes older checkpoints after the commit; killed part-way through one removal, no
+    step_* directory may be left that looks complete (its manifest there) but lacks files."""
+    from moe_compile.train import checkpoint
+
+    cm, opt = trained()
+    save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    rmtree = shutil.rmtree
+
+    def killed(path, *a, **kw):  # deletes one data file of the checkpoint, then the process "dies"
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt("killed while pruning")
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, cm, opt, step=3, data_position=3, keep_last=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    for p in tmp_path.glob("step_*"):  # every checkpoint that looks complete is complete
+        checkpoint.verify_checkpoint(p)
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+    save_checkpoint(tmp_path, cm, opt, step=4, data_position=4, keep_last=1)  # the next save tidies up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004"]
+
+
+def test_resume_with_dropout_continues_the_random_stream(tmp_path):
+    """Dropout draws from each rank's generator: a run resumed from a checkpoint (in a process whose
+    generator is elsewhere) must draw the masks the uninterrupted run drew, so its losses are the same."""
+    from moe_compile.train import rng_state
+
+    def build():
+        cm = moe_compile(build_model("olmoe", attention_dropout=0.3))
+        return cm, OLMoDDPOptimizer(cm, lr=1e-2)
+
+    batches = [make_batches(1, seed=s) for s in range(4)]
+    cm, opt = build()
+    ref = []
+    for s in range(4):
+        ref.append(train_step(cm, opt, batches[s])[0].item())
+        if s == 1:
+            save_checkpoint(tmp_path, cm, opt, step=2, data_position=2)
+    cm, opt = build()
+    torch.manual_seed(12345)
+    load_checkpoint(tmp_path, cm, opt)
+    assert [train_step(cm, opt, batches[s])[0].item() for s in (2, 3)] == ref[2:]
+    # Under another world size no saved state is a rank's own: a seed from the saved states and the
+    # rank, the same every time for a rank, different between ranks.
+    states = rng_state.read(tmp_path / "step_00000002") * 2
+    draws = []
+    for rank in (0, 0, 1):
+        assert rng_state.restore(states, world=3, rank=rank) == "reseeded"
+        draws.append(torch.rand(4))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
 def test_a_failed_step_leaves_no_gradient_for_the_next():
     """train_step raising in its second microbatch (an out-of-vocabulary id) must not leave the first
     microbatch's gradient for the next step: that step then equals the same step on a fresh copy."""

@@ -9,6 +9,7 @@ full expert tensor):
     optim.<name>.exp_avg       AdamW moments      } ZeRO-1 pieces (see train/optimizer.py)
     optim.<name>.exp_avg_sq
     train.step, train.optimizer_step, train.skipped_steps, train.data_position
+    rng_state.pt               every rank's generator states (rank 0 writes it; see train/rng_state.py)
 
 Layout on disk and the commit protocol (a crash at any point leaves the previous checkpoint loadable)::
 
@@ -17,7 +18,8 @@ Layout on disk and the commit protocol (a crash at any point leaves the previous
     ROOT/.step_00000010.partial/moe_manifest.json     rank 0, after gathering those: size and SHA-256
                                    of every file, and a SHA-256 of the manifest itself
     rename → ROOT/step_00000010/   (atomic); then ROOT/latest ← "step_00000010" (write + atomic replace)
-    older checkpoints beyond keep_last are removed only after that
+    older checkpoints beyond keep_last are removed only after that (each renamed to
+                                   ROOT/.step_<N>.pruned first, so none is ever half-deleted)
 
 Loading (under any mesh): the manifest, file sizes and file checksums are checked (the ranks split
 the files between them and agree on the verdict), then DCP's metadata against the model (names and
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from . import rng_state
 from .checkpoint_views import checkpoint_views
 
 if TYPE_CHECKING:
@@ -323,6 +326,8 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # left by a crashed save
             shutil.rmtree(tmp)
+        for gone in root.glob(".step_*.pruned"):  # left by a crashed removal
+            shutil.rmtree(gone, ignore_errors=True)
     _barrier()
     state = _state(cm, opt, fresh=False)
     state.update(_train_tensors(step, data_position, opt.step_count, opt.skipped_steps))
@@ -342,14 +347,15 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         mine = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.glob(f"__{_rank()}_*.distcp"))}
     except OSError as e:
         herr = f"rank {_rank()} could not hash its files: {type(e).__name__}: {e}"
-    hashed = _all_gather((mine, herr))  # also the barrier: every rank's files are complete
+    hashed = _all_gather((mine, herr, rng_state.capture()))  # also the barrier: every rank's files are complete
     err = ""
     if _rank() == 0:
         try:
-            if errs := [h for _, h in hashed if h]:
+            if errs := [h for _, h, _ in hashed if h]:
                 raise OSError(errs[0])
+            rng_state.write(tmp, [r for _, _, r in hashed])
             files = _files(tmp)
-            sums = {k: v for m, _ in hashed for k, v in m.items()}
+            sums = {k: v for m, _, _ in hashed for k, v in m.items()}
             sums = {rel: sums.get(rel) or file_sha256(tmp / rel) for rel in files}
             manifest = {
                 "format": FORMAT, "step": step, "data_position": data_position, "optimizer_step": opt.step_count,
@@ -388,7 +394,17 @@ def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None
     if keep_last:  # the last keep_last saves, by commit order (not by step: another run may have saved higher)
         for p in _committed(root)[:-keep_last]:
             if p != final:
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p)
+
+
+def _remove(p: Path) -> None:
+    """Remove a committed checkpoint: renamed out of the ``step_*`` names first (atomic), so a crash
+    part-way through the removal leaves no half-deleted checkpoint that still looks complete."""
+    gone = p.with_name(f".{p.name}.pruned")
+    if gone.exists():
+        shutil.rmtree(gone, ignore_errors=True)
+    os.rename(p, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 # -- what the tensors mean -------------------------------------------------------------------------
@@ -504,10 +520,11 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     # (requires_grad=False, no main weight) from their saved values, with buffers, optimizer, position.
     to_read = {k: v for k, v in full.items() if k not in trainable}
     to_read.update(train)
-    err = ""
+    err, rngs = "", None
     try:
         with _quiet():
             dcp.load(to_read, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _dist())
+        rngs = rng_state.read(path)
     except _dcp_errors() as e:  # re-raised on every rank as CheckpointError
         err = _brief(e)
     if not _all_ok(not err):
@@ -522,6 +539,12 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         if f"model.{store.name}" in to_read and store.main is None:
             store.refresh_from()
     opt.load_state(staged_opt, int(train["train.optimizer_step"]), int(train["train.skipped_steps"]))
+    if rngs is None:
+        log.info("checkpoint %s holds no generator states (saved by an older moe_compile): dropout masks "
+                 "after the resume differ from an uninterrupted run's", path)
+    elif rng_state.restore(rngs, *((dist.get_world_size(), dist.get_rank()) if _dist() else (1, 0))) != "restored":
+        log.info("checkpoint %s was saved by %d ranks, not %d: each rank's generators are seeded from the saved "
+                 "states and its rank", path, len(rngs), dist.get_world_size() if _dist() else 1)
     return TrainState(step=int(train["train.step"]), data_position=int(train["train.data_position"]),
                       optimizer_step=opt.step_count, skipped_steps=opt.skipped_steps,
                       extra=manifest.get("extra", {}), path=str(path))
