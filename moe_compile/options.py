@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -54,10 +55,10 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         cf = self.capacity_factor
-        if cf is not None and (not isinstance(cf, int | float) or isinstance(cf, bool) or cf <= 0):
+        if cf is not None and not _positive_finite(cf):
             raise OptionError(f"capacity_factor={cf!r}: must be a positive number, or None for dropless")
         h = self.dropless_headroom
-        if not isinstance(h, int | float) or isinstance(h, bool) or h < 1:
+        if not _positive_finite(h) or h < 1:
             raise OptionError(f"dropless_headroom={h!r}: must be a number ≥ 1 (receive rows per routed row)")
         if self.transport not in TRANSPORTS:
             raise OptionError(f"transport={self.transport!r}: supported values are {TRANSPORTS}")
@@ -89,8 +90,8 @@ class CompileOptions:
             raise OptionError(f"grad_reduction={self.grad_reduction!r}: supported values are {GRAD_REDUCTIONS}")
         if self.grad_transport not in GRAD_TRANSPORTS:
             raise OptionError(f"grad_transport={self.grad_transport!r}: supported values are {GRAD_TRANSPORTS}")
-        if self.bucket_mb <= 0:
-            raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be positive")
+        if not _positive_finite(self.bucket_mb):
+            raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be a positive number")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> CompileOptions:
@@ -99,3 +100,8 @@ class CompileOptions:
         if unknown:
             raise OptionError(f"unknown moe_compile option(s) {unknown}; known: {sorted(names)}")
         return cls(**kwargs)
+
+
+def _positive_finite(x: Any) -> bool:
+    # NaN fails every comparison, so `x <= 0` alone lets it (and inf) through to the runtime.
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0

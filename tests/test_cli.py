@@ -95,7 +95,12 @@ def test_bad_training_options_are_reported(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     assert main(["train", "--log-every", "0"]) == 2
     assert main(["train", "--ckpt", str(tmp_path / "afile" / "ck")]) == 2
+    # NaN passes `x < 0`: it reached the ranks and turned every weight NaN (lr) or switched clipping off
+    for bad in (["--lr", "nan"], ["--max-grad-norm", "nan"], ["--seq-len", "1"], ["--batch-size", "0"]):
+        assert main(["train", *bad]) == 2, bad
     err = capsys.readouterr().err
+    assert "--lr nan, --weight-decay 0.0: must be finite and ≥ 0" in err, err
+    assert "--max-grad-norm nan: must be ≥ 0" in err, err
     assert "--log-every 0: must be ≥ 1" in err, err
     assert f"--ckpt {tmp_path / 'afile' / 'ck'}: not a writable directory (NotADirectoryError" in err, err
 

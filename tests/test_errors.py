@@ -257,6 +257,10 @@ def test_missing_top_k():
 
 @pytest.mark.parametrize("kw,match", [
     ({"capacity_factor": -1}, "capacity_factor=-1: must be a positive number"),
+    ({"capacity_factor": float("nan")}, "capacity_factor=nan: must be a positive number"),
+    ({"capacity_factor": float("inf")}, "capacity_factor=inf: must be a positive number"),
+    ({"dropless_headroom": float("nan")}, "dropless_headroom=nan: must be a number ≥ 1"),
+    ({"bucket_mb": "25"}, "bucket_mb='25': must be a positive number"),
     ({"transport": "carrier_pigeon"}, "transport='carrier_pigeon'"),
     ({"bogus": 1}, r"unknown moe_compile option\(s\) \['bogus'\]"),
 ])

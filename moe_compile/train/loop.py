@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -68,6 +69,14 @@ class TrainConfig:
             raise OptionError("--resume and --save-every need --ckpt DIR")
         if self.keep_last is not None and self.keep_last < 1:
             raise OptionError(f"--keep-last {self.keep_last}: must be ≥ 1")
+        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 or min(self.layers, self.experts, self.top_k) < 1:
+            raise OptionError(f"--steps {self.steps}, --batch-size {self.batch_size}, --seq-len {self.seq_len}, "
+                              f"--layers {self.layers}, --experts {self.experts}, --top-k {self.top_k}: need steps ≥ 0, "
+                              "seq-len ≥ 2 (one next-token label), the others ≥ 1")
+        if not (self.lr >= 0 and math.isfinite(self.lr) and self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise OptionError(f"--lr {self.lr}, --weight-decay {self.weight_decay}: must be finite and ≥ 0")
+        if self.max_grad_norm is not None and not (self.max_grad_norm >= 0):
+            raise OptionError(f"--max-grad-norm {self.max_grad_norm}: must be ≥ 0 (0: no clipping)")
         if self.log_every < 1:
             raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
 
@@ -208,7 +217,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
                    "seconds": dt, "skipped": res.skipped}
             if leader:
                 if sink:
-                    sink.write(json.dumps(rec) + "\n")
+                    # a skipped step's NaN is not JSON: write null
+                    row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+                    sink.write(json.dumps(row, allow_nan=False) + "\n")
                     sink.flush()
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", grad_norm=f"{res.grad_norm:.3f}", refresh=False)
                 bar.update(1)

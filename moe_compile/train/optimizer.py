@@ -124,10 +124,12 @@ class OLMoDDPOptimizer:
     def __init__(self, cm: CompiledMoE, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, max_grad_norm: float | None = None,
                  reduce_scatter: bool | None = None) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+        # written as `not (x >= 0)` so NaN is refused too (a NaN lr turns every weight NaN in one step)
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and math.isfinite(lr + eps + weight_decay)
+                and all(0 <= b < 1 for b in betas)):
             raise MoECompileError(f"OLMoDDPOptimizer: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}: "
-                                  "need lr, eps, weight_decay ≥ 0 and 0 ≤ beta < 1")
-        if max_grad_norm is not None and max_grad_norm <= 0:
+                                  "need lr, eps, weight_decay finite and ≥ 0 and 0 ≤ beta < 1")
+        if max_grad_norm is not None and not (max_grad_norm > 0):  # NaN would switch clipping off
             raise MoECompileError(f"OLMoDDPOptimizer: max_grad_norm={max_grad_norm} must be positive (or None)")
         self.cm = cm
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
