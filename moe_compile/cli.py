@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import fields
 
@@ -52,6 +53,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --ckpt, under the --mesh and --ranks given now")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-router-aux-loss", dest="router_aux_loss", action="store_false",
+                   help="tiny model: no load-balancing / z loss (needed with cp>1, where a sequence shard's router "
+                   "statistics are not the sequence's; the HF families train without theirs)")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -63,6 +67,17 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     if kw.get("activation_checkpointing") == "none":
         kw["activation_checkpointing"] = None
     return TrainConfig(**kw)
+
+
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Failure|Interrupt|Exit)\b[^:\s]*: ")
+
+
+def failure_cause(traceback_text: str) -> str:
+    """The line of a rank's traceback that says what went wrong: the last ``SomeError: message`` line
+    (torch.compile ends its tracebacks with a TORCHDYNAMO_VERBOSE hint, and chained errors end with
+    the outermost wrapper), else the last non-empty line."""
+    lines = [ln.rstrip() for ln in traceback_text.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if _EXC_LINE.match(ln)), lines[-1] if lines else traceback_text)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -95,8 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RankFailure as e:
         print(str(e), file=sys.stderr)
         text = e.failures[0][1] if e.failures else str(e)
-        last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), str(e))
-        print(f"moe-compile train failed: {last}", file=sys.stderr)
+        print(f"moe-compile train failed: {failure_cause(text)}", file=sys.stderr)
         return 1
     print_summary(summary)
     return 0

@@ -103,7 +103,14 @@ def published_config(name: str):
 def config_from_json(path: str | Path):
     import transformers as tf
 
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise OptionError(f"--hf-config {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise OptionError(f"--hf-config {path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise OptionError(f"--hf-config {path}: a transformers config.json is a JSON object, not {type(data).__name__}")
     if "model_type" not in data:
         raise OptionError(f"{path}: a transformers config.json needs a 'model_type' (e.g. 'olmoe', 'mixtral')")
     kind = data.pop("model_type")
@@ -167,6 +174,10 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
                           "initialised")
     if dtype not in DTYPES:
         raise OptionError(f"dtype {dtype!r}: supported {sorted(DTYPES)}")
+    for flag, value in (("--batch-size", batch_size), ("--micro-batches", micro_batches), ("--seq-len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise OptionError(f"{flag} {value!r}: must be a whole number ≥ 1 (a count of sequences, "
+                              f"micro-batches or tokens)")
     spec = MeshSpec.parse(mesh) if isinstance(mesh, str) else mesh
     n = world_of(spec, world)
     spec = spec.resolve(n)

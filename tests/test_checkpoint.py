@@ -202,7 +202,7 @@ def test_a_failed_step_leaves_no_gradient_for_the_next():
     assert opt.step_count == 1 and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_resume_drops_a_cut_row(tmp_path):
+def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_resume_drops_a_cut_row(tmp_path, monkeypatch):
     from moe_compile.errors import OptionError
     from moe_compile.train.loop import TrainConfig, _metrics_sink, check_ckpt_dir
 
@@ -213,8 +213,19 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_resume_drops_a_cut
     check_ckpt_dir(TrainConfig(ckpt=str(tmp_path), resume=True), 0)
     rows = tmp_path / "m.jsonl"
     rows.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo')  # killed mid-row
+    cut = rows.read_text()
+
+    def crash(*a):  # killed while the trimmed rows are being written: the old file must stand
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr("moe_compile.train.loop.os.replace", crash)
+        with pytest.raises(KeyboardInterrupt):
+            _metrics_sink(str(rows), 3)
+    assert rows.read_text() == cut
     _metrics_sink(str(rows), 3).close()
     assert rows.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    assert sorted(f.name for f in tmp_path.glob("m.jsonl*")) == ["m.jsonl"]
     rows.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
     with pytest.raises(OptionError, match="line 2 is not JSON"):
         _metrics_sink(str(rows), 2)

@@ -30,6 +30,24 @@ def test_train_two_ranks_writes_metrics(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_train_context_parallel_matches_one_rank(tmp_path):
+    """`train --mesh cp=2` refused the tiny model (its in-block router losses would see one sequence shard);
+    --no-router-aux-loss drops them, and the two sequence shards train as one rank does."""
+    def run(*args: str) -> list[dict]:
+        metrics = tmp_path / f"m{len(args)}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "train", "--steps", "3", "--seq-len", "32",
+                               "--no-router-aux-loss", "--no-progress", "--metrics-jsonl", str(metrics), *args],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    cp, one = run("--mesh", "cp=2", "--ranks", "2"), run()
+    assert [r["tokens"] for r in cp] == [r["tokens"] for r in one]
+    for a, b in zip(cp, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                 rel=1e-4)
+
+
 @pytest.mark.slow
 def test_train_hf_family_single_rank(tmp_path):
     proc = subprocess.run(
@@ -96,13 +114,38 @@ def test_bad_training_options_are_reported(tmp_path, capsys):
     assert main(["train", "--log-every", "0"]) == 2
     assert main(["train", "--ckpt", str(tmp_path / "afile" / "ck")]) == 2
     # NaN passes `x < 0`: it reached the ranks and turned every weight NaN (lr) or switched clipping off
-    for bad in (["--lr", "nan"], ["--max-grad-norm", "nan"], ["--seq-len", "1"], ["--batch-size", "0"]):
+    (tmp_path / "short.txt").write_text("abc")
+    for bad in (["--lr", "nan"], ["--max-grad-norm", "nan"], ["--seq-len", "1"], ["--batch-size", "0"],
+                ["--data", str(tmp_path / "missing.txt")], ["--data", str(tmp_path / "short.txt")]):
         assert main(["train", *bad]) == 2, bad
     err = capsys.readouterr().err
+    assert f"--data {tmp_path / 'missing.txt'}: cannot read it (No such file or directory)" in err, err
+    assert f"--data {tmp_path / 'short.txt'}: 3 bytes is shorter than one sequence" in err, err
     assert "--lr nan, --weight-decay 0.0: must be finite and ≥ 0" in err, err
     assert "--max-grad-norm nan: must be ≥ 0" in err, err
     assert "--log-every 0: must be ≥ 1" in err, err
     assert f"--ckpt {tmp_path / 'afile' / 'ck'}: not a writable directory (NotADirectoryError" in err, err
+
+
+def test_failure_summary_names_the_cause_not_the_dynamo_hint():
+    """A rank's error raised inside torch.compile ends its traceback with dynamo's TORCHDYNAMO_VERBOSE
+    hint; the one-line summary showed that hint instead of the error."""
+    import traceback
+
+    import torch
+
+    from moe_compile.cli import failure_cause
+
+    def backend(gm, example_inputs):
+        raise ValueError("expert weight shape (8, 3) is not (8, 4)")
+
+    try:
+        torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    except Exception:
+        text = traceback.format_exc()
+    assert "TORCHDYNAMO_VERBOSE" in text.strip().splitlines()[-1]  # the hint is the last line
+    assert failure_cause(text) == "ValueError: expert weight shape (8, 3) is not (8, 4)"
+    assert failure_cause("just a message\n") == "just a message"
 
 
 def test_families_prints_the_table():

@@ -83,6 +83,12 @@ def test_explain_hf_config_file(tmp_path):
     (["--model", "tiny", "--mesh", "ep_mp=2"], "give dp= (or ep_dp=)"),
     (["--model", "tiny", "--mesh", "dp=2", "--rank", "2"], "rank 2 is not a rank of mesh"),
     (["--model", "tiny", "--mesh", "dp=4,ep_mp=3"], "ep_mp=3 does not divide"),
+    # counts ≤ 0 gave negative traffic and FLOPs in the ledger; a missing config file was a raw traceback
+    (["--model", "tiny", "--mesh", "dp=2", "--micro-batches", "-2"], "--micro-batches -2: must be a whole number ≥ 1"),
+    (["--model", "tiny", "--mesh", "dp=2", "--batch-size", "0"], "--batch-size 0: must be a whole number ≥ 1"),
+    (["--model", "tiny", "--mesh", "dp=2", "--seq-len", "0"], "--seq-len 0: must be a whole number ≥ 1"),
+    (["--hf-config", "/nonexistent/config.json", "--mesh", "dp=2"],
+     "--hf-config /nonexistent/config.json: cannot read it (No such file or directory)"),
 ])
 def test_explain_names_bad_input(tmp_path, capsys, args, message):
     assert main(["explain", *args, "--out", str(tmp_path)]) == 2

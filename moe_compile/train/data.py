@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import OptionError
+
 
 @dataclass
 class SyntheticStream:
@@ -41,6 +43,22 @@ class SyntheticStream:
         return torch.stack(seq, dim=1)
 
 
+def check_data_file(path: str, seq_len: int) -> None:
+    """OptionError unless ``path`` is a readable file holding at least one sequence and its label."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise OptionError(f"--data {path}: cannot read it ({e.strerror or e})") from None
+    if not p.is_file():
+        raise OptionError(f"--data {path}: not a regular file")
+    if size < seq_len + 1:
+        raise OptionError(f"--data {path}: {size} bytes is shorter than one sequence and its next-token label "
+                          f"(--seq-len {seq_len} + 1)")
+
+
 @dataclass
 class ByteFileStream:
     """Byte-level tokens (vocab 256) of a local text file, in windows of seq_len."""
@@ -51,9 +69,8 @@ class ByteFileStream:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_data_file(self.path, self.seq_len)
         data = Path(self.path).read_bytes()
-        if len(data) < self.seq_len + 1:
-            raise ValueError(f"--data {self.path}: {len(data)} bytes is shorter than one sequence ({self.seq_len})")
         self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
     def batch(self, index: int) -> torch.Tensor:

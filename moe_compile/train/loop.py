@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ import torch.nn as nn
 
 from ..errors import OptionError
 from ..mesh import MeshSpec
+from .data import check_data_file
 from .optimizer import OLMoDDPOptimizer, StepResult
 
 PRECISIONS = ("fp32", "bf16", "mxfp8")
@@ -56,6 +58,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end (when --ckpt is given)
     resume: bool = False
     keep_last: int | None = 3
+    router_aux_loss: bool = True  # tiny model: its load-balancing and z losses (off for context parallelism)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class TrainConfig:
             raise OptionError(f"--max-grad-norm {self.max_grad_norm}: must be ≥ 0 (0: no clipping)")
         if self.log_every < 1:
             raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
+        if self.data:  # before any rank is spawned: a missing file is exit 2, not a failure on every rank
+            check_data_file(self.data, self.seq_len)
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -88,7 +93,8 @@ def build_model(cfg: TrainConfig) -> nn.Module:
 
         model = TinyMoELM(TinyMoEConfig(vocab_size=256, d_model=cfg.d_model, n_layers=cfg.layers,
                                         num_experts=cfg.experts, top_k=cfg.top_k,
-                                        max_seq_len=max(256, cfg.seq_len)))
+                                        max_seq_len=max(256, cfg.seq_len),
+                                        **({} if cfg.router_aux_loss else {"lb_coef": 0.0, "z_coef": 0.0})))
     else:
         from ..models import tiny_hf_model
 
@@ -160,7 +166,9 @@ def _metrics_sink(path: str | None, resume_step: int):
                                   "cut short by a crash is dropped on resume") from e
             if row["step"] <= resume_step:
                 keep.append(ln)
-        p.write_text("".join(ln + "\n" for ln in keep))
+        tmp = p.with_name(p.name + ".tmp")  # a crash while trimming must not lose the rows kept
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, p)
         return open(p, "a")
     return open(p, "w")
 

@@ -23,7 +23,7 @@ checkpoint-view DTensors as they stand: topology-portable, no rank holding a ful
                     moves half an all-reduce's bytes.
         norm²       = Σ over all ranks of Σ grad²  — every logical element is owned by exactly one rank
                       (dense: one of dp×cp; expert: one of ep_dp, and ep_mp ranks own distinct shards)
-        non-finite  → log, count, zero the gradients, return skipped (nothing applied)
+        non-finite  → log, count, return skipped (nothing applied; the caller's zero_grad drops them)
         clip        grad *= min(1, max_norm / (norm + 1e-6))          (as torch clip_grad_norm_)
         AdamW       decoupled weight decay, bias correction           (as torch.optim.AdamW)
         copy-back   all_gather the main flat over the family group → each parameter's local FP32 main
@@ -260,8 +260,8 @@ class OLMoDDPOptimizer:
         norm = self.global_grad_norm()
         if not math.isfinite(norm):
             self.skipped_steps += 1
-            log.warning("optimizer step %d skipped: non-finite gradient norm %s (%d skipped so far)",
-                        self.step_count + 1, norm, self.skipped_steps)
+            log.warning("optimizer step skipped: non-finite gradient norm %s (%d applied, %d skipped so far)",
+                        norm, self.step_count, self.skipped_steps)
             return StepResult(norm, skipped=True, clip_coef=0.0)
         coef = 1.0
         if self.max_grad_norm is not None:
