@@ -18,8 +18,8 @@ its result, seconds, the log's tail; the whole log in DIR/<part>.log), then DIR/
                 and tests/test_nvshmem_heap.py with MOE_COMPILE_TEST_DEVICE=cuda (natively compiled
                 kernels); counts and failures from its junit xml
   kernel_bench  the benchmarks/gpu_kernels.py table (OLMoE-like shapes), its rows as JSON
-  dense_fusion  benchmarks/one_rank_step.py --device cuda (HF eager, dense_fusion "none" and "inductor"):
-                the measurement that chooses dense_fusion="auto" on CUDA (codegen/dense_fusion.py)
+  dense_fusion  benchmarks/one_rank_step.py --device cuda (HF eager, torch.compile, dense_fusion "none" and
+                "inductor"): the measurement that chooses dense_fusion="auto" on CUDA (codegen/dense_fusion.py)
 
 Tolerances (train_step, loss relative / gradients rel_err of each tensor's max): CPU interpreter
 1e-6 / 1e-5 (as tests/test_codegen.py); CUDA 1e-5 / 1e-4 — the dense reference runs cuBLAS GEMMs
@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 PARTS = ("env", "nvshmem", "train_step", "kernel_tests", "kernel_bench", "dense_fusion")
 TIMEOUT_S = {"env": 45, "nvshmem": 90, "train_step": 150, "kernel_tests": 240, "kernel_bench": 200,
-             "dense_fusion": 180}
+             "dense_fusion": 240}
 SMOKE_TIMEOUT_S = {"env": 120, "nvshmem": 180, "train_step": 300, "kernel_tests": 300, "kernel_bench": 10,
                    "dense_fusion": 10}  # CPU CI under load
 TOL = {"cpu": (1e-6, 1e-5), "cuda": (1e-5, 1e-4)}  # (loss relative, gradient rel_err)
@@ -67,6 +67,40 @@ SMOKE_SKIP = {"kernel_bench": "the benchmark's own --smoke (interpreter) run is 
 
 class Skip(Exception):
     """A part that does not apply here (its JSON says why)."""
+
+
+def cuda_syncs(fn):
+    """Run fn under torch's CUDA sync debug mode: (fn's result, {site: count} of the device→host
+    synchronisations it made). A site is the innermost moe_compile frame ('file:function:line') above
+    the synchronising call, else the Python frame the warning names."""
+    import collections
+    import warnings
+
+    import torch
+
+    sites: collections.Counter = collections.Counter()
+    pkg = os.path.join(ROOT, "moe_compile")
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing" not in str(message):  # not the mode's own "prototype feature" notice
+            return
+        f, site = sys._getframe(1), f"{os.path.relpath(filename, ROOT)}:{lineno}"
+        while f is not None:
+            if f.f_code.co_filename.startswith(pkg):
+                site = f"{os.path.relpath(f.f_code.co_filename, ROOT)}:{f.f_code.co_name}:{f.f_lineno}"
+                break
+            f = f.f_back
+        sites[f"{site}: {str(message).splitlines()[0][:70]}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, dict(sites)
 
 
 def rel_err(a, b) -> float:
@@ -197,7 +231,15 @@ def part_nvshmem(smoke: bool, out: str) -> dict:
     res.update(round_trips=trips, round_trip_ms=[round(t, 3) for t in times], rows=rows, d=d,
                heap_allocated_bytes=heap.allocated_bytes, symmetric_bytes=leases.symmetric_bytes)
     ok = all(trips)
-    if device == "cuda":
+    if device == "cuda":  # a 4th round trip, dispatch → combine → release only, under the sync debug mode
+        def trip():
+            recv, _, layout = torch.ops.moe.dispatch(xs, counts, ctx, "bench", rows, 1)
+            back = torch.ops.moe.combine(recv, layout, ctx, "bench", rows)
+            torch.ops.moe.lease_release(ctx, "bench/dispatch.recv", back)
+            return back
+        back, res["round_trip_host_syncs"] = cuda_syncs(trip)
+        torch.cuda.synchronize()
+        ok = ok and torch.equal(back, xs)
         rt = nv.RUNTIME
         res["runtime"] = {"refs": rt.refs, "inits": rt.inits, "size": rt.size, "allocated": rt.allocated,
                           "NVSHMEM_SYMMETRIC_SIZE": os.environ.get(nv.SIZE_ENV)}
@@ -260,13 +302,17 @@ def part_train_step(smoke: bool, out: str) -> dict:
     worst = max(errs, key=errs.get)
     loss_err = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)
     kernels = sorted({k["name"] for per in cm.kernels().values() for k in per})
+    syncs = None
+    if device == "cuda":  # a second step (compiled already; its gradients accumulate) under the sync debug mode
+        _, syncs = cuda_syncs(lambda: cm(input_ids=batch, labels=batch).loss.backward())
+        torch.cuda.synchronize()
     tol_loss, tol_grad = TOL[device]
     res = {"device": device, "codegen": cm.program.codegen, "config": {k: getattr(cfg, k) for k in
            ("d_model", "n_layers", "num_experts", "top_k", "expert_hidden")}, "tokens": batch.numel(),
            "loss": loss.item(), "loss_ref": ref_loss.item(), "loss_rel_err": loss_err,
            "grad_rel_err_max": errs[worst], "worst_param": worst, "params": len(errs),
            "tolerance": {"loss": tol_loss, "grad": tol_grad}, "kernels": kernels,
-           "compile_and_step_s": round(step_s, 2)}
+           "compile_and_step_s": round(step_s, 2), "second_step_host_syncs": syncs}
     print(json.dumps(res, indent=1))
     res["ok"] = (cm.program.codegen == "triton" and bool(kernels) and len(errs) == len(grads)
                  and loss_err <= tol_loss and errs[worst] <= tol_grad)
@@ -298,7 +344,8 @@ def _junit(path: str) -> dict:
 def part_kernel_tests(smoke: bool, out: str) -> dict:
     junit = os.path.join(out, "kernel_tests_junit.xml")
     targets = SMOKE_KERNEL_TESTS if smoke else KERNEL_TESTS
-    env = dict(os.environ, MOE_COMPILE_TEST_DEVICE="cpu" if smoke else "cuda", PYTHONPATH=ROOT)
+    env = dict(os.environ, MOE_COMPILE_TEST_DEVICE="cpu" if smoke else "cuda",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     # a file that fails to import (e.g. torchao missing for test_mxfp8.py) must not cost the others
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}",
            "--continue-on-collection-errors", *targets]
@@ -340,7 +387,7 @@ def part_dense_fusion(smoke: bool, out: str) -> dict:
         raise Skip(SMOKE_SKIP["dense_fusion"])
     path = os.path.join(out, "one_rank_step.json")
     p = subprocess.run([sys.executable, os.path.join(BENCH, "one_rank_step.py"), "--device", "cuda", "--rounds", "5",
-                        "--paths", "hf_eager,moe_none,moe_inductor", "--json", path], capture_output=True, text=True)
+                        "--paths", "hf_eager,torch_compile,moe_none,moe_inductor", "--json", path], capture_output=True, text=True)
     sys.stdout.write(p.stdout[-4000:] + p.stderr[-4000:])
     res = json.load(open(path)) if os.path.exists(path) else {}
     keep = ("step_seconds", "compile_seconds", "ratios", "ratios_of_min", "moe_none_top_self_cpu")

@@ -41,6 +41,13 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
 ATTENTION_OPS = tuple(f"aten::_scaled_dot_product_{k}{b}" for k in ("flash_attention_for_cpu", "flash_attention",
                                                                      "efficient_attention", "cudnn_attention")
                       for b in ("", "_backward"))
+# on CUDA the attention kernels' device time sits on the ops that launch them (the sdpa ops' self time is ~0)
+ATTENTION_OPS += tuple(f"aten::_{k}_attention_{d}" for k in ("flash", "efficient") for d in ("forward", "backward"))
+
+
+def is_gemm(key: str, device: str) -> bool:
+    """A GEMM op; on CUDA also moe_compile's Triton grouped-GEMM kernels (no aten op launches them)."""
+    return key in GEMM_OPS or (device == "cuda" and "grouped_mm" in key and key.endswith("_kernel"))
 
 
 def build(path: str, args):
@@ -85,7 +92,7 @@ def gemm_seconds(step, steps: int, device: str = "cpu") -> tuple[float, float, l
         return e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
 
     ev = sorted(prof.key_averages(), key=lambda e: -self_us(e))
-    us = sum(self_us(e) for e in ev if e.key in GEMM_OPS)
+    us = sum(self_us(e) for e in ev if is_gemm(e.key, device))
     attn = sum(self_us(e) for e in ev if e.key in ATTENTION_OPS)
     return us / 1e6 / steps, attn / 1e6 / steps, [(e.key, self_us(e) / 1e6 / steps, e.count // steps) for e in ev[:12]]
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backend import MoEBackend
-from .capture import RECOMPILE_LIMIT, fresh
+from .capture import compile_entry, fresh
 from .codegen.dense_fusion import resolve_dense_fusion
 from .codegen.triton_mode import resolve_codegen
 from .compiled import CompiledMoE
@@ -135,8 +135,8 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         cm = CompiledMoE(model, program, groups, ddp, None)
         cm.pipeline = PipelineRuntime(cm, split, schedule)
         return cm
-    compiled = torch.compile(_capture_entry(model), backend=MoEBackend(program), fullgraph=opts.fullgraph,
-                             dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+    compiled = compile_entry(_capture_entry(model), backend=MoEBackend(program), fullgraph=opts.fullgraph,
+                             dynamic=False)
     return CompiledMoE(model, program, groups, ddp, compiled)
 
 

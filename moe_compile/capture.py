@@ -20,6 +20,19 @@ RECOMPILE_LIMIT = 64
 _ids = itertools.count()
 
 
+def compile_entry(fn, **kwargs):
+    """``torch.compile(fn, **kwargs)`` with moe_compile's recompile limit for this entry. torch.compile
+    takes a per-entry ``recompile_limit`` in torch 2.13; torch 2.11 has none (a TypeError), so there
+    dynamo's process-wide limit is raised to RECOMPILE_LIMIT instead (never lowered)."""
+    import inspect
+
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, recompile_limit=RECOMPILE_LIMIT, **kwargs)
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, **kwargs)
+
+
 def fresh(fn: types.FunctionType) -> types.FunctionType:
     """``fn`` with a code object of its own (same body, globals and closure)."""
     code = fn.__code__

@@ -33,11 +33,18 @@ reordering inductor does there is safe. ``prog.graphs[kind]`` keeps the unsplit 
               steps, and on CPU this project compiles many short programs (tests, demos) where that
               never happens. Long CPU runs should pass dense_fusion="inductor".
               Without a C++ compiler auto is "none" anyway.
-        CUDA  "none": not measured yet (no GPU run of this option so far).
+        CUDA  "inductor". The same benchmark with --device cuda on one H200 (torch 2.11, triton 3.6,
+              fp32, 3 rounds): 24.5 ms per step with inductor against 36.8 ms without and 38.1 ms
+              for HF eager (0.64× and 0.97× HF eager; minima 0.61× and 0.79×). This size is launch-
+              bound on a GPU (GEMMs 0.6 ms of the step), which fusion helps most; at every size it
+              removes the dense part's elementwise round trips through memory. The compile cost 25 s
+              more (81.5 s against 56.5 s, cold cache), repaid after about 2,000 steps here — GPU
+              runs are training runs, so auto takes it.
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
 import shutil
 from typing import Any
@@ -56,7 +63,7 @@ DENSE_NAMESPACES = ("aten", "prims")
 _VIEW_OPS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
              "slice", "select", "alias", "detach", "as_strided", "split", "split_with_sizes", "unbind"}
 # which mode "auto" picks per device type (see the module docstring for the measurement)
-AUTO_DEFAULT = {"cpu": "none", "cuda": "none"}
+AUTO_DEFAULT = {"cpu": "none", "cuda": "inductor"}
 
 
 def _compiler_names() -> list[str]:
@@ -184,6 +191,17 @@ def _example_inputs(vals: list) -> tuple[Any, list]:
                       if isinstance(v, torch.Tensor) else v for v in vals]
 
 
+def _standalone_compile(sub: fx.GraphModule, fake: list, mode):
+    """inductor's standalone_compile of ``sub`` on ``fake`` (static shapes, in ``mode``). torch 2.13
+    takes the fake mode as an argument; torch 2.11 has no ``fake_mode`` (a TypeError, seen on its CUDA
+    build) and reads the same mode from a tracing context instead."""
+    compile_ = torch._inductor.standalone_compile
+    if "fake_mode" in inspect.signature(compile_).parameters:
+        return compile_(sub, fake, dynamic_shapes="from_example_inputs", fake_mode=mode)
+    with torch._guards.tracing(torch._guards.TracingContext(mode)):
+        return compile_(sub, fake, dynamic_shapes="from_tracing_context")
+
+
 def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
     """An executable copy of ``gm`` whose dense segments run as inductor kernels; returns it and a
     summary (segments compiled, nodes in them, opaque nodes kept, row ops inlined)."""
@@ -206,7 +224,7 @@ def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
         later = {u for m in segs[i] for u in m.users if u not in inside}
         sub, inputs, outputs = _segment_module(gm, segs[i], later)
         mode, fake = _example_inputs([a.meta["val"] for a in inputs])
-        fn = torch._inductor.standalone_compile(sub, fake, dynamic_shapes="from_example_inputs", fake_mode=mode)
+        fn = _standalone_compile(sub, fake, mode)
         name = f"dense_{i}"
         root.add_module(name, _Compiled(fn, fake))
         call = out_g.call_module(name, tuple(env[a] for a in inputs))

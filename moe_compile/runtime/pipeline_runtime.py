@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture import RECOMPILE_LIMIT, fresh
+from ..capture import compile_entry, fresh
 from ..errors import OptionError, RuntimeFault
 
 
@@ -195,8 +195,8 @@ class PipelineRuntime:
         for sprog in self._stage_programs():
             s = sprog.pipeline_stage
             g = graphs[s]
-            compiled = torch.compile(_stage_entry(g), backend=MoEBackend(sprog), fullgraph=prog.options.fullgraph,
-                                     dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+            compiled = compile_entry(_stage_entry(g), backend=MoEBackend(sprog), fullgraph=prog.options.fullgraph,
+                                     dynamic=False)
             module = StageModule(g, compiled)
             ins = tuple(_empty_like_val(fake[n], device) for n in g.activations_in)
             outs = tuple(_empty_like_val(fake[n], device) for n in g.activations_out)
@@ -302,8 +302,7 @@ class PipelineRuntime:
         for s in range(self.split.num_stages):
             prog = self._program_for(s)
             g = graphs[s]
-            compiled = torch.compile(_stage_entry(g), backend=MoEBackend(prog), fullgraph=True, dynamic=False,
-                                     recompile_limit=RECOMPILE_LIMIT)
+            compiled = compile_entry(_stage_entry(g), backend=MoEBackend(prog), fullgraph=True, dynamic=False)
             acts = [_empty_like_val(fake[n], device).zero_().requires_grad_(fake[n].is_floating_point())
                     for n in g.activations_in]
             res = StageModule(g, compiled)(*acts, **mb)
@@ -396,8 +395,8 @@ class PipelineRuntime:
         stages = {}
         for st in self._stage_programs():
             g = graphs[st.pipeline_stage]
-            compiled = torch.compile(_stage_entry(g), backend=MoEBackend(st), fullgraph=cm.program.options.fullgraph,
-                                     dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+            compiled = compile_entry(_stage_entry(g), backend=MoEBackend(st), fullgraph=cm.program.options.fullgraph,
+                                     dynamic=False)
             stages[st.pipeline_stage] = (StageModule(g, compiled), g)
         return stages, fake
 
