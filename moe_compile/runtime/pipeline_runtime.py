@@ -192,6 +192,7 @@ class PipelineRuntime:
         from torch.distributed.pipelining import PipelineStage
 
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        stages: list[LocalStage] = []  # kept only once the stages compiled: a failed build leaves nothing behind
         for sprog in self._stage_programs():
             s = sprog.pipeline_stage
             g = graphs[s]
@@ -203,10 +204,10 @@ class PipelineRuntime:
             pipe = PipelineStage(module, s, self.split.num_stages, device, input_args=ins or None,
                                  output_args=outs, group=cm.groups.pp)
             pipe._user_meta_inputs = ins  # the boundary shapes, for compiling ahead of the schedule
-            self.stages.append(LocalStage(s, sprog, g, module, pipe))
-        self._compile_stages(mb)
+            stages.append(LocalStage(s, sprog, g, module, pipe))
+        self._compile_stages(stages, mb)
         cls = SCHEDULES[self.schedule.name]
-        pipes = [st.pipe for st in self.stages]
+        pipes = [st.pipe for st in stages]
         loss_fn = _weighted_loss
         if cm.program.mesh.cp > 1:  # each CP rank's weighted part, summed over the CP group (backward: 1 each)
             from ..ops.context_parallel import LossSum
@@ -218,15 +219,16 @@ class PipelineRuntime:
 
         kw = dict(n_microbatches=self.schedule.microbatches, loss_fn=loss_fn, scale_grads=False)
         self._torch_schedule = cls(pipes if self.schedule.name == "interleaved_1f1b" else pipes[0], **kw)
+        self.stages = stages
 
-    def _compile_stages(self, mb: dict[str, Any]) -> None:
+    def _compile_stages(self, stages: list[LocalStage], mb: dict[str, Any]) -> None:
         """Compile every local stage before the schedule starts — one forward on zero activations
         (the boundary shapes; float ones requiring grad, as received ones do), output dropped — so a
         rejected lease plan or a capture failure stops every rank at once, before any slot is written
         under the schedule, instead of leaving the other stages blocked in a receive."""
         err: BaseException | None = None
         try:
-            for st in self.stages:
+            for st in stages:
                 acts = [torch.zeros_like(t).requires_grad_(t.is_floating_point())
                         for t in st.pipe._user_meta_inputs] if st.pipe is not None else []
                 st.module(*acts, **mb)
