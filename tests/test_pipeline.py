@@ -329,6 +329,56 @@ def test_a_failed_first_step_leaves_no_stage_behind():
             assert r["loss_err"] <= TOL * 6 and r["grad_err"] <= TOL, (rank, r)
 
 
+def dropless_warmup_worker(rank: int, world: int) -> dict:
+    """pp=2 × ep_mp=2, dropless: the rows each EP rank received, per stage, over two steps."""
+    from moe_compile.runtime.dropless import find_dropless_state
+
+    spec = MeshSpec.parse("pp=2,ep_mp=2").resolve(world)
+    cm = moe_compile(_model("tiny", 2), spec, microbatches=2)
+    b = make_batches(spec.dp, 4, 16, seed=3)[spec.dense_coords(rank)[1]]
+    for _ in range(2):
+        cm.train_step(input_ids=b, labels=b)
+    st = find_dropless_state(cm.program.ctx_id)
+    out = {"stage": spec.dense_coords(rank)[0], "high_water": st.high_water, "growths": len(st.growths),
+           "factor": st.factor, "headroom": st.headroom}
+    cm.close()
+    return out
+
+
+def dense_rows_received(model, batches: list[torch.Tensor], m: int, ep: int) -> dict[int, int]:
+    """Layer → the most routed rows one EP rank receives in any microbatch: the dense model's top-k
+    choices, the EP group's ranks holding batches[0..ep) and experts in contiguous blocks of E/ep."""
+    import types
+
+    picks: dict[int, list] = {}
+    for i, layer in enumerate(model.layers):
+        block = layer.mlp
+
+        def mix(self, x, idx, weights, _orig=block.expert_mix, _i=i):
+            picks.setdefault(_i, []).append(idx.clone())
+            return _orig(x, idx, weights)
+
+        block.expert_mix = types.MethodType(mix, block)
+    with torch.no_grad():
+        for j in range(m):
+            for b in batches[:ep]:
+                model(input_ids=b.chunk(m)[j])
+    per = model.layers[0].mlp.num_experts // ep
+    return {i: max(int(torch.cat(idx[j * ep:(j + 1) * ep]).reshape(-1).div(per, rounding_mode="floor")
+                       .bincount(minlength=ep).max()) for j in range(m)) for i, idx in picks.items()}
+
+
+@pytest.mark.slow
+def test_pipeline_warmup_does_not_grow_the_dropless_capacity():
+    model = _model("tiny", 2)
+    want = dense_rows_received(copy.deepcopy(model), make_batches(2, 4, 16, seed=3), 2, 2)
+    for r in run_ranks(dropless_warmup_worker, 4, timeout=240):
+        # stage s holds layer s; zero activations (the warm-up) and torch's metadata inference send
+        # 128 and 112 of the 128 rows to one rank: counted, they grew the factor 3/2 → 2 on stage 1
+        assert r["high_water"] == want[r["stage"]], (r, want)
+        assert r["growths"] == 0 and r["factor"] == r["headroom"], r
+
+
 def test_train_step_at_pp1_is_gradient_accumulation():
     """One rank: train_step over m=4 microbatches equals the dense mean of the microbatch losses."""
     model = _model("tiny", 2)

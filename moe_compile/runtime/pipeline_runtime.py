@@ -28,6 +28,7 @@ microbatch's own, weighted like its token loss.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,26 @@ def split_batch_check(kwargs: dict[str, Any], m: int) -> int:
     return b
 
 
+@functools.cache
+def _stage_class():
+    """torch's PipelineStage, whose first-step metadata inference runs outside the dropless state: on the
+    first step torch runs each stage once on placeholder activations (uninitialised tensors; stage 1 of
+    the tiny LM sent 112 of its 128 rows to one EP rank) to infer the boundary metadata. Like the stage
+    warm-up, that forward's load is not the run's; counted, it grew the receive capacity to ep·T·K."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from .dropless import uncounted
+
+    class MoEPipelineStage(PipelineStage):
+        moe_ctx_id = -1
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            with uncounted(self.moe_ctx_id):
+                return super()._prepare_forward_infra(*args, **kwargs)
+
+    return MoEPipelineStage
+
+
 @dataclass
 class LocalStage:
     index: int
@@ -189,8 +210,6 @@ class PipelineRuntime:
         gm, names, batch = capture(cm.model, mb, ("loss",))
         graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
         device = next(cm.model.parameters()).device
-        from torch.distributed.pipelining import PipelineStage
-
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
         stages: list[LocalStage] = []  # kept only once the stages compiled: a failed build leaves nothing behind
         for sprog in self._stage_programs():
@@ -201,8 +220,9 @@ class PipelineRuntime:
             module = StageModule(g, compiled)
             ins = tuple(_empty_like_val(fake[n], device) for n in g.activations_in)
             outs = tuple(_empty_like_val(fake[n], device) for n in g.activations_out)
-            pipe = PipelineStage(module, s, self.split.num_stages, device, input_args=ins or None,
-                                 output_args=outs, group=cm.groups.pp)
+            pipe = _stage_class()(module, s, self.split.num_stages, device, input_args=ins or None,
+                                  output_args=outs, group=cm.groups.pp)
+            pipe.moe_ctx_id = prog.ctx_id
             pipe._user_meta_inputs = ins  # the boundary shapes, for compiling ahead of the schedule
             stages.append(LocalStage(s, sprog, g, module, pipe))
         self._compile_stages(stages, mb)
@@ -226,12 +246,15 @@ class PipelineRuntime:
         (the boundary shapes; float ones requiring grad, as received ones do), output dropped — so a
         rejected lease plan or a capture failure stops every rank at once, before any slot is written
         under the schedule, instead of leaving the other stages blocked in a receive."""
+        from .dropless import uncounted
+
         err: BaseException | None = None
         try:
-            for st in stages:
-                acts = [torch.zeros_like(t).requires_grad_(t.is_floating_point())
-                        for t in st.pipe._user_meta_inputs] if st.pipe is not None else []
-                st.module(*acts, **mb)
+            with uncounted(self.cm.program.ctx_id):  # zero activations: the worst imbalance, not the run's load
+                for st in stages:
+                    acts = [torch.zeros_like(t).requires_grad_(t.is_floating_point())
+                            for t in st.pipe._user_meta_inputs] if st.pipe is not None else []
+                    st.module(*acts, **mb)
         except Exception as e:  # reported on every rank below
             err = e
         flag = torch.tensor([0 if err is None else 1 + self.cm.groups.rank], dtype=torch.int64)
@@ -285,7 +308,6 @@ class PipelineRuntime:
         loss = loss.to(next(cm.model.parameters()).device)
         dist.broadcast(loss, group=cm.groups.pp, group_src=last_rank)
         return loss
-
 
     # -- planning (explain) -------------------------------------------------------------------------
     def plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:
