@@ -329,6 +329,50 @@ def test_a_failed_first_step_leaves_no_stage_behind():
             assert r["loss_err"] <= TOL * 6 and r["grad_err"] <= TOL, (rank, r)
 
 
+def token_range_worker(rank: int, world: int) -> dict:
+    """pp=2: a good step, then batches with a token id or a label beyond the vocabulary: every rank
+    raises before the schedule (stage 1 used to wait forever in a receive), and a later step is right."""
+    model = _model("tiny", 2)
+    good, later = make_batches(1, 4, 16, seed=3)[0], make_batches(1, 4, 16, seed=4)[0]
+    ref_losses, ref_grads = dense_reference(model, [later], 2)
+    cm = moe_compile(model, MeshSpec.parse("pp=2").resolve(world), microbatches=2)
+    cm.train_step(input_ids=good, labels=good)
+    bad_ids = good.clone()
+    bad_ids[3, 5] = 10_000
+    bad_labels = good.clone()
+    bad_labels[:, 2] = -100  # the ignore index is fine ...
+    if rank == 1:
+        bad_labels[1, 7] = 256  # ... one past the vocabulary is not (rank 1's copy only: the verdict is shared)
+    msgs = []
+    for ids, labels in ((bad_ids, good), (good, bad_labels)):
+        try:
+            cm.train_step(input_ids=ids, labels=labels)
+            msgs.append("no error")
+        except OptionError as e:
+            msgs.append(str(e))
+    if cm.ddp is not None:
+        cm.ddp.zero_grad()
+    for p in cm.model.parameters():
+        p.grad = None
+    loss = cm.train_step(input_ids=later, labels=later)
+    grads = cm.full_grads()
+    cm.close()
+    return {"msgs": msgs, "loss_err": abs(loss.item() - ref_losses[0]),
+            "grad_err": max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)}
+
+
+@pytest.mark.slow
+def test_out_of_vocabulary_batch_stops_every_stage():
+    for rank, r in enumerate(run_ranks(token_range_worker, 2, timeout=120)):
+        ids, labels = r["msgs"]
+        assert "input_ids hold token id 10000, outside the model's vocabulary [0, 256)" in ids, r
+        if rank == 1:
+            assert "labels hold 256, outside the model's vocabulary [0, 256)" in labels, r
+        else:
+            assert "rank 1's labels fall outside the model's vocabulary" in labels, r
+        assert r["loss_err"] <= TOL * 6 and r["grad_err"] <= TOL, (rank, r)
+
+
 def dropless_warmup_worker(rank: int, world: int) -> dict:
     """pp=2 × ep_mp=2, dropless: the rows each EP rank received, per stage, over two steps."""
     from moe_compile.runtime.dropless import find_dropless_state

@@ -273,6 +273,7 @@ class PipelineRuntime:
         if kwargs.get("labels") is None:  # every rank of the pipeline gets the same batch: all refuse together
             raise OptionError("a pipelined train_step needs labels=...: the last stage's loss is what the "
                               "schedule backpropagates (forward-only evaluation: call the model)")
+        self._check_token_range(kwargs)
         spec = self.cm.program.mesh
         if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
             from .context_parallel import shard_batch
@@ -308,6 +309,36 @@ class PipelineRuntime:
         loss = loss.to(next(cm.model.parameters()).device)
         dist.broadcast(loss, group=cm.groups.pp, group_src=last_rank)
         return loss
+
+    def _check_token_range(self, kwargs: dict[str, Any]) -> None:
+        """Refuse token ids and labels outside the vocabulary on every rank alike, before the schedule: inside
+        it only the stage that reads them raises (the embedding's IndexError on stage 0, the loss's on the
+        last) and the other stages wait forever in a receive. The verdict is all-reduced over the world (ranks
+        of other replicas pass other batches, and the step's gradient reduction spans them): one small
+        all-reduce and one host read per step."""
+        vocab = _vocab_size(self.cm.model)
+        ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+        device = next(self.cm.model.parameters()).device
+        none = torch.zeros((), dtype=torch.bool, device=device)
+        mine = torch.stack([((ids < 0) | (ids >= vocab)).any().to(device) if ids is not None else none,
+                            _bad_labels(labels, vocab).any().to(device) if labels is not None else none])
+        flag = mine.to(torch.int64) * (self.cm.groups.rank + 1)  # which rank, for the others' message
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read: the verdict is a host decision
+        if ids_rank < 0 and labels_rank < 0:
+            return
+        bad = mine.tolist()
+        if bad[0]:
+            raise OptionError(f"train_step: input_ids hold token id {_outside(ids, vocab)}, outside the "
+                              f"model's vocabulary [0, {vocab}); no rank started the schedule")
+        if bad[1]:
+            used = labels[..., 1:]
+            raise OptionError(f"train_step: labels hold {_outside(used[used != -100], vocab)}, outside "
+                              f"the model's vocabulary [0, {vocab}) (and not the ignore index -100); no rank "
+                              "started the schedule")
+        which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
+        raise OptionError(f"train_step: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
+                          "(its error is raised there); no rank started the schedule")
 
     # -- planning (explain) -------------------------------------------------------------------------
     def plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:
@@ -435,6 +466,31 @@ class PipelineRuntime:
 class PipelineOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """The vocabulary size of the model's config (HF: its text config's)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    vocab = getattr(cfg, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise OptionError(f"pipeline: {type(model).__name__} has no config.vocab_size; a pipelined train_step "
+                          "checks token ids against it before the schedule (a bad id would stop one stage "
+                          "and leave the others waiting)")
+    return vocab
+
+
+def _bad_labels(labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Labels the shifted loss reads (labels[..., 1:]) outside [0, vocab), the ignore index -100 excepted."""
+    used = labels[..., 1:]
+    return (used != -100) & ((used < 0) | (used >= vocab))
+
+
+def _outside(t: torch.Tensor, vocab: int) -> int:
+    """The first value of ``t`` outside [0, vocab) (for the message: the error path only)."""
+    t = t.reshape(-1)
+    return int(t[(t < 0) | (t >= vocab)][0])
 
 
 def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
