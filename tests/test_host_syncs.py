@@ -13,6 +13,8 @@ Everything else on the transport path (route maps, segment offsets, capacity dec
 stays tensors.
 
 Outside the transport path (not counted here; this step runs neither):
+* ``runtime/lease_runtime.py:_agreed_busy`` — forwards_in_flight > 1 only: once per forward, the EP
+  group's all-reduced busy flags of the lease instances (``tolist``), so every rank claims the same one.
 * ``runtime/pipeline_runtime.py:_check_token_range`` — pp > 1 only: once per train_step, the world's
   all-reduced verdict on out-of-vocabulary token ids and labels (``tolist``), before the schedule.
 """
