@@ -11,6 +11,12 @@ Allowed (each necessary, and why):
   a host decision; its inputs are read once, after the last MoE layer.
 Everything else on the transport path (route maps, segment offsets, capacity decisions, byte counters)
 stays tensors.
+
+Outside the transport path (not counted here; this step runs neither):
+* ``runtime/lease_runtime.py:_agreed_busy`` — forwards_in_flight > 1 only: once per forward, the EP
+  group's all-reduced busy flags of the lease instances (``tolist``), so every rank claims the same one.
+* ``runtime/pipeline_runtime.py:_check_token_range`` — pp > 1 only: once per train_step, the world's
+  all-reduced verdict on out-of-vocabulary token ids and labels (``tolist``), before the schedule.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ one recorded in :attr:`DroplessState.growths` (and warned about); the capacity n
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class DroplessState:
     # Ranks beyond the EP-MP group whose forwards are collective with this one (the CP group's K/V
     # all-gathers span EP-MP groups): they must rerun together, so the watch is agreed over this group
     sync_group: object = None
+    ctx_id: int = -1
 
     def capacity(self, block: str, rows: int) -> int:
         cap = dropless_rows(rows, self.ep, self.factor)
@@ -94,6 +96,8 @@ class DroplessState:
         read of the dropless path: a bool and an int per forward, not per layer."""
         over, need = self.overflow, self.need
         self.overflow = self.need = None
+        if self.ctx_id in _UNCOUNTED:  # a warm-up forward (outputs dropped): its load is not the run's
+            return False
         self.forwards += 1
         if over is None or over.device.type == "meta":  # explain traces on meta tensors: nothing observed
             return False
@@ -118,6 +122,21 @@ class DroplessState:
 
 
 _STATES: dict[int, DroplessState] = {}
+_UNCOUNTED: set[int] = set()  # runtime contexts whose forwards settle nothing now (see uncounted)
+
+
+@contextlib.contextmanager
+def uncounted(ctx_id: int):
+    """Forwards of context ``ctx_id`` inside the block leave its dropless state as it was: no growth, no
+    rerun, no high-water. For the pipeline's warm-up forward on zero activations, whose output is dropped:
+    every token alike routes to the same top-k experts (imbalance ep), which would grow the receive
+    capacity to ep·T·K for the rest of the run. Every rank of the group enters the block alike (the
+    overflow watch's collective is skipped on all of them)."""
+    _UNCOUNTED.add(ctx_id)
+    try:
+        yield
+    finally:
+        _UNCOUNTED.discard(ctx_id)
 
 
 def dropless_state(ctx_id: int, ep: int, headroom: float | Fraction | None = None) -> DroplessState:
@@ -125,7 +144,7 @@ def dropless_state(ctx_id: int, ep: int, headroom: float | Fraction | None = Non
     s = _STATES.get(ctx_id)
     if s is None or s.ep != ep:
         h = DROPLESS_HEADROOM if headroom is None else Fraction(headroom).limit_denominator(1000)
-        s = _STATES[ctx_id] = DroplessState(ep, headroom=h, factor=h)
+        s = _STATES[ctx_id] = DroplessState(ep, headroom=h, factor=h, ctx_id=ctx_id)
     return s
 
 

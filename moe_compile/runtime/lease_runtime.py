@@ -14,8 +14,9 @@ Guards (each raises RuntimeFault naming the payload and its MoE layer):
 With ``poison=True`` released slots are filled with NaN (0xFF bytes), so a stale read shows.
 
 Forwards in flight: each forward graph claims a free *instance* of its plan's lease pool (the lowest
-whose leases have all ended) and writes its leased payloads into that instance's slots; more forwards
-than the plan's H raise. A backward graph finds its forward's instance from the saved payloads it
+whose leases have ended on every rank of the EP group, agreed by an all-reduce: a PUT addresses the
+peer's slots of the sender's instance) and writes its leased payloads into that instance's slots;
+more forwards than the plan's H raise. A backward graph finds its forward's instance from the saved payloads it
 receives (their addresses lie in that instance's slots). A lease ends at its release node, or when
 its autograd graph is freed without a backward (evaluation without ``no_grad``, a dropped loss): the
 payload backward would read is a tensor with a storage of its own, whose finalizer queues the lease,
@@ -198,7 +199,7 @@ class LeaseRuntime:
         stages = {p.stage for p in plan.payloads if p.family == LEASE_FAMILY}
         n = min(plan.instances(s, LEASE_FAMILY) for s in stages)
         for attempt in range(2):
-            busy = self._busy(plan_id)
+            busy = self._agreed_busy(plan_id, n)
             free = [i for i in range(n) if i not in busy]
             if free:
                 return free[0]
@@ -207,9 +208,24 @@ class LeaseRuntime:
                 self._drain()
         raise RuntimeFault(
             f"{n + 1} forwards in flight, but the lease plan provisions {n} (forwards_in_flight={n}): "
-            f"{n} earlier forward(s) still hold their leases because their autograd graphs are alive and "
+            f"{n} earlier forward(s) still hold their leases (on this rank or an EP-group peer) because their autograd graphs are alive and "
             "their backward has not run. Call backward first, run evaluation under torch.no_grad(), drop "
             f"the earlier outputs, or compile with forwards_in_flight={n + 1}")
+
+    def _agreed_busy(self, plan_id: int, n: int) -> set[int]:
+        """Instances busy on *any* rank of the EP group. A PUT writes the sender's instance of the peer's
+        pool, so every rank must claim the same one; the busy sets can differ (one rank still holds an
+        earlier forward's graph that another dropped), and the lowest local free instance then wrote
+        other slots than the peer read (loss off by 1e-4 relative). One all-reduce (MAX) of n flags and
+        one host read per forward, only with more than one instance (n = 1 leaves no choice)."""
+        busy = self._busy(plan_id)
+        if n == 1 or self.group is None or dist.get_world_size(self.group) == 1:
+            return busy
+        pool = next(p for (pid, _, fam), p in self.pools.items() if pid == plan_id and fam == LEASE_FAMILY)
+        device = pool.buf.views[pool.buf.rank].device  # the group's backend carries the heap's device
+        flags = torch.tensor([i in busy for i in range(n)], dtype=torch.int32).to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return {i for i, b in enumerate(flags.tolist()) if b}  # host read: the claim is a host decision
 
     def _instance_of(self, plan_id: int, saved: list[torch.Tensor]) -> int:
         pools = [pool for (pid, _, fam), pool in self.pools.items() if pid == plan_id and fam == LEASE_FAMILY]

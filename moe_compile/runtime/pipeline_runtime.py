@@ -28,6 +28,7 @@ microbatch's own, weighted like its token loss.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,26 @@ def split_batch_check(kwargs: dict[str, Any], m: int) -> int:
     return b
 
 
+@functools.cache
+def _stage_class():
+    """torch's PipelineStage, whose first-step metadata inference runs outside the dropless state: on the
+    first step torch runs each stage once on placeholder activations (uninitialised tensors; stage 1 of
+    the tiny LM sent 112 of its 128 rows to one EP rank) to infer the boundary metadata. Like the stage
+    warm-up, that forward's load is not the run's; counted, it grew the receive capacity to ep·T·K."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from .dropless import uncounted
+
+    class MoEPipelineStage(PipelineStage):
+        moe_ctx_id = -1
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            with uncounted(self.moe_ctx_id):
+                return super()._prepare_forward_infra(*args, **kwargs)
+
+    return MoEPipelineStage
+
+
 @dataclass
 class LocalStage:
     index: int
@@ -189,9 +210,8 @@ class PipelineRuntime:
         gm, names, batch = capture(cm.model, mb, ("loss",))
         graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
         device = next(cm.model.parameters()).device
-        from torch.distributed.pipelining import PipelineStage
-
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        stages: list[LocalStage] = []  # kept only once the stages compiled: a failed build leaves nothing behind
         for sprog in self._stage_programs():
             s = sprog.pipeline_stage
             g = graphs[s]
@@ -200,13 +220,14 @@ class PipelineRuntime:
             module = StageModule(g, compiled)
             ins = tuple(_empty_like_val(fake[n], device) for n in g.activations_in)
             outs = tuple(_empty_like_val(fake[n], device) for n in g.activations_out)
-            pipe = PipelineStage(module, s, self.split.num_stages, device, input_args=ins or None,
-                                 output_args=outs, group=cm.groups.pp)
+            pipe = _stage_class()(module, s, self.split.num_stages, device, input_args=ins or None,
+                                  output_args=outs, group=cm.groups.pp)
+            pipe.moe_ctx_id = prog.ctx_id
             pipe._user_meta_inputs = ins  # the boundary shapes, for compiling ahead of the schedule
-            self.stages.append(LocalStage(s, sprog, g, module, pipe))
-        self._compile_stages(mb)
+            stages.append(LocalStage(s, sprog, g, module, pipe))
+        self._compile_stages(stages, mb)
         cls = SCHEDULES[self.schedule.name]
-        pipes = [st.pipe for st in self.stages]
+        pipes = [st.pipe for st in stages]
         loss_fn = _weighted_loss
         if cm.program.mesh.cp > 1:  # each CP rank's weighted part, summed over the CP group (backward: 1 each)
             from ..ops.context_parallel import LossSum
@@ -218,18 +239,22 @@ class PipelineRuntime:
 
         kw = dict(n_microbatches=self.schedule.microbatches, loss_fn=loss_fn, scale_grads=False)
         self._torch_schedule = cls(pipes if self.schedule.name == "interleaved_1f1b" else pipes[0], **kw)
+        self.stages = stages
 
-    def _compile_stages(self, mb: dict[str, Any]) -> None:
+    def _compile_stages(self, stages: list[LocalStage], mb: dict[str, Any]) -> None:
         """Compile every local stage before the schedule starts — one forward on zero activations
         (the boundary shapes; float ones requiring grad, as received ones do), output dropped — so a
         rejected lease plan or a capture failure stops every rank at once, before any slot is written
         under the schedule, instead of leaving the other stages blocked in a receive."""
+        from .dropless import uncounted
+
         err: BaseException | None = None
         try:
-            for st in self.stages:
-                acts = [torch.zeros_like(t).requires_grad_(t.is_floating_point())
-                        for t in st.pipe._user_meta_inputs] if st.pipe is not None else []
-                st.module(*acts, **mb)
+            with uncounted(self.cm.program.ctx_id):  # zero activations: the worst imbalance, not the run's load
+                for st in stages:
+                    acts = [torch.zeros_like(t).requires_grad_(t.is_floating_point())
+                            for t in st.pipe._user_meta_inputs] if st.pipe is not None else []
+                    st.module(*acts, **mb)
         except Exception as e:  # reported on every rank below
             err = e
         flag = torch.tensor([0 if err is None else 1 + self.cm.groups.rank], dtype=torch.int64)
@@ -248,6 +273,7 @@ class PipelineRuntime:
         if kwargs.get("labels") is None:  # every rank of the pipeline gets the same batch: all refuse together
             raise OptionError("a pipelined train_step needs labels=...: the last stage's loss is what the "
                               "schedule backpropagates (forward-only evaluation: call the model)")
+        self._check_token_range(kwargs)
         spec = self.cm.program.mesh
         if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
             from .context_parallel import shard_batch
@@ -284,6 +310,35 @@ class PipelineRuntime:
         dist.broadcast(loss, group=cm.groups.pp, group_src=last_rank)
         return loss
 
+    def _check_token_range(self, kwargs: dict[str, Any]) -> None:
+        """Refuse token ids and labels outside the vocabulary on every rank alike, before the schedule: inside
+        it only the stage that reads them raises (the embedding's IndexError on stage 0, the loss's on the
+        last) and the other stages wait forever in a receive. The verdict is all-reduced over the world (ranks
+        of other replicas pass other batches, and the step's gradient reduction spans them): one small
+        all-reduce and one host read per step."""
+        vocab = _vocab_size(self.cm.model)
+        ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+        device = next(self.cm.model.parameters()).device
+        none = torch.zeros((), dtype=torch.bool, device=device)
+        mine = torch.stack([((ids < 0) | (ids >= vocab)).any().to(device) if ids is not None else none,
+                            _bad_labels(labels, vocab).any().to(device) if labels is not None else none])
+        flag = mine.to(torch.int64) * (self.cm.groups.rank + 1)  # which rank, for the others' message
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read: the verdict is a host decision
+        if ids_rank < 0 and labels_rank < 0:
+            return
+        bad = mine.tolist()
+        if bad[0]:
+            raise OptionError(f"train_step: input_ids hold token id {_outside(ids, vocab)}, outside the "
+                              f"model's vocabulary [0, {vocab}); no rank started the schedule")
+        if bad[1]:
+            used = labels[..., 1:]
+            raise OptionError(f"train_step: labels hold {_outside(used[used != -100], vocab)}, outside "
+                              f"the model's vocabulary [0, {vocab}) (and not the ignore index -100); no rank "
+                              "started the schedule")
+        which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
+        raise OptionError(f"train_step: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
+                          "(its error is raised there); no rank started the schedule")
 
     # -- planning (explain) -------------------------------------------------------------------------
     def plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:
@@ -410,6 +465,31 @@ class PipelineRuntime:
 class PipelineOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """The vocabulary size of the model's config (HF: its text config's)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    vocab = getattr(cfg, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise OptionError(f"pipeline: {type(model).__name__} has no config.vocab_size; a pipelined train_step "
+                          "checks token ids against it before the schedule (a bad id would stop one stage "
+                          "and leave the others waiting)")
+    return vocab
+
+
+def _bad_labels(labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Labels the shifted loss reads (labels[..., 1:]) outside [0, vocab), the ignore index -100 excepted."""
+    used = labels[..., 1:]
+    return (used != -100) & ((used < 0) | (used >= vocab))
+
+
+def _outside(t: torch.Tensor, vocab: int) -> int:
+    """The first value of ``t`` outside [0, vocab) (for the message: the error path only)."""
+    t = t.reshape(-1)
+    return int(t[(t < 0) | (t >= vocab)][0])
 
 
 def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
