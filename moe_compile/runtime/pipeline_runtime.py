@@ -317,6 +317,8 @@ class PipelineRuntime:
         of other replicas pass other batches, and the step's gradient reduction spans them): one small
         all-reduce and one host read per step."""
         vocab = _vocab_size(self.cm.model)
+        if vocab is None:  # the same on every rank (one model): all skip the check and its collective alike
+            return
         ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
         device = next(self.cm.model.parameters()).device
         none = torch.zeros((), dtype=torch.bool, device=device)
@@ -467,17 +469,17 @@ class PipelineOutput:
     loss: torch.Tensor | None = None
 
 
-def _vocab_size(model: nn.Module) -> int:
-    """The vocabulary size of the model's config (HF: its text config's)."""
+def _vocab_size(model: nn.Module) -> int | None:
+    """The vocabulary size: the model's config's (HF: its text config's), else its input embedding's rows;
+    None for a model that names neither (the user's own module: its ids are not checked before the schedule)."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     vocab = getattr(cfg, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < 1:
-        raise OptionError(f"pipeline: {type(model).__name__} has no config.vocab_size; a pipelined train_step "
-                          "checks token ids against it before the schedule (a bad id would stop one stage "
-                          "and leave the others waiting)")
-    return vocab
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return emb.num_embeddings if isinstance(emb, nn.Embedding) else None
 
 
 def _bad_labels(labels: torch.Tensor, vocab: int) -> torch.Tensor:
