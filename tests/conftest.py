@@ -12,9 +12,20 @@ import tempfile
 from moe_compile.runtime.launcher import CLEANUP_LOG_ENV
 
 _OWN_LOG: list[str] = []
+# Segments already in /dev/shm when the suite starts (another run on the same host, or one killed before
+# its cleanup) are not this suite's leaks; only segments that appear while it runs are reported.
+_BEFORE: set[str] = set()
+
+
+def _segments() -> set[str]:
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {f for f in os.listdir("/dev/shm") if f.startswith("moe_compile_")}
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        _BEFORE.update(_segments())
     if hasattr(config, "workerinput") or os.environ.get(CLEANUP_LOG_ENV):
         return  # an xdist worker inherits the controller's log
     fd, path = tempfile.mkstemp(prefix="moe_compile_shm_cleanup_", suffix=".log")
@@ -36,9 +47,9 @@ def pytest_sessionfinish(session, exitstatus):
         if removed:
             print(f"\nshared-memory segments the launcher had to remove (job, function, segment): {removed}")
             session.exitstatus = 1
-    if not os.path.isdir("/dev/shm"):
-        return
-    left = [f for f in os.listdir("/dev/shm") if f.startswith("moe_compile_")]
+    if _BEFORE:
+        print(f"\nshared-memory segments that were there before the suite (not counted): {sorted(_BEFORE)}")
+    left = sorted(_segments() - _BEFORE)
     if left:
         print(f"\nshared-memory segments left behind by the suite: {left}")
         session.exitstatus = 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import uuid
 
 import pytest
 import torch
@@ -397,7 +398,7 @@ def test_flag_wait_sleeps_until_the_writer_wakes_it(monkeypatch, tmp_path):
 
     from moe_compile.runtime.symmetric import host
 
-    path = f"/dev/shm/moe_compile_test_futex_{os.getpid()}"
+    path = f"/dev/shm/moe_compile_test_futex_{os.getpid()}_{uuid.uuid4().hex[:8]}"  # pids repeat across hosts' runs
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, 64)
