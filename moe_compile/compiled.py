@@ -41,6 +41,12 @@ class CompiledMoE(nn.Module):
         self.pipeline = None  # runtime.pipeline_runtime.PipelineRuntime on a pp > 1 mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from .runtime.token_range import check_on_host
+
+        check_on_host(self.model, args, kwargs, "forward")
+        return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.pipeline is not None:
             return self.pipeline.forward(args, kwargs)  # its capture translates capture errors itself
         if self.program.mesh.cp > 1:  # this rank's sequence shard; the loss is the whole sequence's

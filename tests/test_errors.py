@@ -340,3 +340,38 @@ def test_router_returning_another_tuple_order_compiles():
     for n, p in ref.named_parameters():
         assert (grads[n] - p.grad).abs().max().item() <= 1e-5 * max(p.grad.abs().max().item(), 1e-12), n
     cm.close()
+
+
+@pytest.mark.parametrize("name,fusion", [("tiny", "none"), ("olmoe", "none"), ("tiny", "inductor")])
+def test_out_of_vocabulary_ids_and_labels_are_named_and_the_next_step_is_clean(name, fusion):
+    """Without a pipeline an out-of-vocabulary id fails inside the compiled graph (the embedding's IndexError;
+    with dense_fusion="inductor" the kernel's C++ exception aborts the process). The forward refuses it
+    first, naming the value and the vocabulary as the pipelined train_step does, for ids passed by
+    keyword or position, and the next forward and backward still equal the dense model's."""
+    import copy
+
+    from .common import grads_of, rel_err
+
+    model = build_model(name)
+    dense = copy.deepcopy(model)
+    cm = moe_compile(model, dense_fusion=fusion)
+    ids = make_batches(1)[0]
+    bad_ids, bad_labels = ids.clone(), ids.clone()
+    bad_ids[0, 3] = 10_000
+    bad_labels[1, 5] = 256
+    bad_labels[1, 0] = 999  # the shifted loss never reads the first label: not an error
+    for call in (lambda: cm(input_ids=bad_ids, labels=ids), lambda: cm(bad_ids)):
+        with pytest.raises(OptionError, match=r"forward: input_ids hold token id 10000, outside the model's "
+                                              r"vocabulary \[0, 256\)"):
+            call()
+    with pytest.raises(OptionError, match=r"forward: labels hold 256, outside the model's vocabulary \[0, 256\) "
+                                          r"\(and not the ignore index -100\)"):
+        cm(input_ids=ids, labels=bad_labels)
+    loss = cm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref = dense(input_ids=ids, labels=ids).loss
+    ref.backward()
+    assert rel_err(loss.detach(), ref.detach()) <= 1e-5
+    got, want = cm.full_grads(), grads_of(dense)
+    assert set(got) == set(want)
+    assert max(rel_err(got[k], want[k]) for k in want) <= 1e-5

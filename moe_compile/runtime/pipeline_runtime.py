@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from ..capture import compile_entry, fresh
 from ..errors import OptionError, RuntimeFault
+from . import token_range
 
 
 class _Recorded(Exception):
@@ -316,14 +317,14 @@ class PipelineRuntime:
         last) and the other stages wait forever in a receive. The verdict is all-reduced over the world (ranks
         of other replicas pass other batches, and the step's gradient reduction spans them): one small
         all-reduce and one host read per step."""
-        vocab = _vocab_size(self.cm.model)
+        vocab = token_range.vocab_size(self.cm.model)
         if vocab is None:  # the same on every rank (one model): all skip the check and its collective alike
             return
         ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
         device = next(self.cm.model.parameters()).device
         none = torch.zeros((), dtype=torch.bool, device=device)
-        mine = torch.stack([((ids < 0) | (ids >= vocab)).any().to(device) if ids is not None else none,
-                            _bad_labels(labels, vocab).any().to(device) if labels is not None else none])
+        mine = torch.stack([token_range.bad_ids(ids, vocab).any().to(device) if ids is not None else none,
+                            token_range.bad_labels(labels, vocab).any().to(device) if labels is not None else none])
         flag = mine.to(torch.int64) * (self.cm.groups.rank + 1)  # which rank, for the others' message
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read: the verdict is a host decision
@@ -331,13 +332,9 @@ class PipelineRuntime:
             return
         bad = mine.tolist()
         if bad[0]:
-            raise OptionError(f"train_step: input_ids hold token id {_outside(ids, vocab)}, outside the "
-                              f"model's vocabulary [0, {vocab}); no rank started the schedule")
+            raise OptionError(token_range.ids_message("train_step", ids, vocab) + "; no rank started the schedule")
         if bad[1]:
-            used = labels[..., 1:]
-            raise OptionError(f"train_step: labels hold {_outside(used[used != -100], vocab)}, outside "
-                              f"the model's vocabulary [0, {vocab}) (and not the ignore index -100); no rank "
-                              "started the schedule")
+            raise OptionError(token_range.labels_message("train_step", labels, vocab) + "; no rank started the schedule")
         which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
         raise OptionError(f"train_step: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
                           "(its error is raised there); no rank started the schedule")
@@ -467,31 +464,6 @@ class PipelineRuntime:
 class PipelineOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    """The vocabulary size: the model's config's (HF: its text config's), else its input embedding's rows;
-    None for a model that names neither (the user's own module: its ids are not checked before the schedule)."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    vocab = getattr(cfg, "vocab_size", None)
-    if isinstance(vocab, int) and vocab > 0:
-        return vocab
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return emb.num_embeddings if isinstance(emb, nn.Embedding) else None
-
-
-def _bad_labels(labels: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Labels the shifted loss reads (labels[..., 1:]) outside [0, vocab), the ignore index -100 excepted."""
-    used = labels[..., 1:]
-    return (used != -100) & ((used < 0) | (used >= vocab))
-
-
-def _outside(t: torch.Tensor, vocab: int) -> int:
-    """The first value of ``t`` outside [0, vocab) (for the message: the error path only)."""
-    t = t.reshape(-1)
-    return int(t[(t < 0) | (t >= vocab)][0])
 
 
 def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
