@@ -343,10 +343,16 @@ def token_range_worker(rank: int, world: int) -> dict:
     bad_labels[:, 2] = -100  # the ignore index is fine ...
     if rank == 1:
         bad_labels[1, 7] = 256  # ... one past the vocabulary is not (rank 1's copy only: the verdict is shared)
+    # refusals of rank 1's batch alone (rank 0 passes the good one): no labels, a batch that does not
+    # split into the microbatches, another shape than the first step's — rank 0 used to wait in a receive
+    own = [dict(input_ids=good), dict(input_ids=good[:3], labels=good[:3]),
+           dict(input_ids=good[:, :8], labels=good[:, :8])]
+    batches = [dict(input_ids=bad_ids, labels=good), dict(input_ids=good, labels=bad_labels)]
+    batches += [b if rank == 1 else dict(input_ids=good, labels=good) for b in own]
     msgs = []
-    for ids, labels in ((bad_ids, good), (good, bad_labels)):
+    for kw in batches:
         try:
-            cm.train_step(input_ids=ids, labels=labels)
+            cm.train_step(**kw)
             msgs.append("no error")
         except OptionError as e:
             msgs.append(str(e))
@@ -364,12 +370,15 @@ def token_range_worker(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_out_of_vocabulary_batch_stops_every_stage():
     for rank, r in enumerate(run_ranks(token_range_worker, 2, timeout=120)):
-        ids, labels = r["msgs"]
+        ids, labels, *own = r["msgs"]
         assert "input_ids hold token id 10000, outside the model's vocabulary [0, 256)" in ids, r
         if rank == 1:
             assert "labels hold 256, outside the model's vocabulary [0, 256)" in labels, r
         else:
             assert "rank 1's labels fall outside the model's vocabulary" in labels, r
+        want = ["needs labels=", "does not split into microbatches=2", "differ from the first step's"]
+        for msg, w in zip(own, want, strict=True):
+            assert (w if rank == 1 else "rank 1 refused its batch") in msg and "no rank started" in msg, (msg, r)
         assert r["loss_err"] <= TOL * 6 and r["grad_err"] <= TOL, (rank, r)
 
 

@@ -269,35 +269,17 @@ class PipelineRuntime:
 
     # -- run ---------------------------------------------------------------------------------------
     def train_step(self, kwargs: dict[str, Any]) -> torch.Tensor:
-        m = self.schedule.microbatches
-        b = split_batch_check(kwargs, m)
-        if kwargs.get("labels") is None:  # every rank of the pipeline gets the same batch: all refuse together
-            raise OptionError("a pipelined train_step needs labels=...: the last stage's loss is what the "
-                              "schedule backpropagates (forward-only evaluation: call the model)")
-        self._check_token_range(kwargs)
-        spec = self.cm.program.mesh
-        if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
-            from .context_parallel import shard_batch
-
-            labels = kwargs.get("labels")
-            _refuse_position_ids(kwargs)
-            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False)
-            # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
-            # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
-            local = (kwargs["shift_labels"] != -100).reshape(m, -1).sum(1).double()
-            total = (labels[..., 1:] != -100).sum().double() if labels is not None else None
-            w = (local / total).float() if total is not None and total > 0 else torch.full((m,), 1.0 / m)
-        else:
-            w = microbatch_weights(kwargs.get("labels"), m)
-        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        shape = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items()))
+        batch, err = kwargs, None
+        try:
+            kwargs, w, shape, b = self._prepare(batch)
+        except OptionError as e:  # agreed below: a refusal on one rank alone left the others in a receive
+            err = e
+        self._agree(batch, err)
         if self._torch_schedule is None:
+            m = self.schedule.microbatches
             self._build({k: (v[: b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                          for k, v in kwargs.items()})
             self._shape = shape
-        elif shape != self._shape:
-            raise OptionError(f"train_step: batch shapes {shape} differ from the first step's {self._shape}; a "
-                              "pipeline is compiled for one microbatch shape")
         losses: list[torch.Tensor] = []
         cm = self.cm
         ctx = cm.ddp.no_sync() if cm.ddp is not None else contextlib.nullcontext()
@@ -311,33 +293,68 @@ class PipelineRuntime:
         dist.broadcast(loss, group=cm.groups.pp, group_src=last_rank)
         return loss
 
-    def _check_token_range(self, kwargs: dict[str, Any]) -> None:
-        """Refuse token ids and labels outside the vocabulary on every rank alike, before the schedule: inside
-        it only the stage that reads them raises (the embedding's IndexError on stage 0, the loss's on the
-        last) and the other stages wait forever in a receive. The verdict is all-reduced over the world (ranks
-        of other replicas pass other batches, and the step's gradient reduction spans them): one small
-        all-reduce and one host read per step."""
+    def _prepare(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor, tuple, int]:
+        """This rank's checks of the batch and its microbatch weights (and CP shard): the kwargs the
+        schedule takes, the weights w_j, the batch's shape signature and its size. Raises OptionError."""
+        m = self.schedule.microbatches
+        b = split_batch_check(kwargs, m)
+        if kwargs.get("labels") is None:
+            raise OptionError("a pipelined train_step needs labels=...: the last stage's loss is what the "
+                              "schedule backpropagates (forward-only evaluation: call the model)")
+        spec = self.cm.program.mesh
+        if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
+            from .context_parallel import shard_batch
+
+            labels = kwargs["labels"]
+            _refuse_position_ids(kwargs)
+            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False)
+            # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
+            # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
+            local = (kwargs["shift_labels"] != -100).reshape(m, -1).sum(1).double()
+            total = (labels[..., 1:] != -100).sum().double()
+            w = (local / total).float() if total > 0 else torch.full((m,), 1.0 / m)
+        else:
+            w = microbatch_weights(kwargs["labels"], m)
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        shape = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items()))
+        if self._torch_schedule is not None and shape != self._shape:
+            raise OptionError(f"train_step: batch shapes {shape} differ from the first step's {self._shape}; a "
+                              "pipeline is compiled for one microbatch shape")
+        return kwargs, w, shape, b
+
+    def _agree(self, batch: dict[str, Any], err: OptionError | None) -> None:
+        """Refuse a batch on every rank alike, before the schedule: inside it only the stage that reads a bad
+        input raises (the embedding's IndexError on stage 0, the loss's on the last) and a refusal of this
+        rank's alone (no labels, an uneven split, another shape than the first step's, a CP shard) leaves the
+        others waiting forever in a receive. The verdict (this rank's refusal, token ids or labels outside
+        the vocabulary) is all-reduced over the world — ranks of other replicas pass other batches, and the
+        step's gradient reduction spans them: one small all-reduce and one host read per step."""
         vocab = token_range.vocab_size(self.cm.model)
-        if vocab is None:  # the same on every rank (one model): all skip the check and its collective alike
-            return
-        ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+        ids, labels = (t if token_range.is_integer_tensor(t) else None for t in (batch.get("input_ids"), batch.get("labels")))
         device = next(self.cm.model.parameters()).device
-        none = torch.zeros((), dtype=torch.bool, device=device)
-        mine = torch.stack([token_range.bad_ids(ids, vocab).any().to(device) if ids is not None else none,
-                            token_range.bad_labels(labels, vocab).any().to(device) if labels is not None else none])
+        no = torch.zeros((), dtype=torch.bool, device=device)
+        mine = torch.stack([torch.full((), err is not None, device=device),
+                            token_range.bad_ids(ids, vocab).any().to(device) if vocab and ids is not None else no,
+                            token_range.bad_labels(labels, vocab).any().to(device)
+                            if vocab and labels is not None and labels.dim() > 0 else no])
         flag = mine.to(torch.int64) * (self.cm.groups.rank + 1)  # which rank, for the others' message
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read: the verdict is a host decision
-        if ids_rank < 0 and labels_rank < 0:
+        refused, ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read
+        if max(refused, ids_rank, labels_rank) < 0:
             return
         bad = mine.tolist()
-        if bad[0]:
-            raise OptionError(token_range.ids_message("train_step", ids, vocab) + "; no rank started the schedule")
+        suffix = "; no rank started the schedule"
+        if err is not None:
+            raise OptionError(f"{err}{suffix}") from err
         if bad[1]:
-            raise OptionError(token_range.labels_message("train_step", labels, vocab) + "; no rank started the schedule")
+            raise OptionError(token_range.ids_message("train_step", ids, vocab) + suffix)
+        if bad[2]:
+            raise OptionError(token_range.labels_message("train_step", labels, vocab) + suffix)
+        if refused >= 0:
+            raise OptionError(f"train_step: rank {refused} refused its batch (its error is raised there){suffix}")
         which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
         raise OptionError(f"train_step: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
-                          "(its error is raised there); no rank started the schedule")
+                          f"(its error is raised there){suffix}")
 
     # -- planning (explain) -------------------------------------------------------------------------
     def plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:

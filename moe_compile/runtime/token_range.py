@@ -62,9 +62,9 @@ def token_range_error(model: nn.Module, kwargs: dict[str, Any], where: str) -> O
     if vocab is None:
         return None
     ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
-    if _integer(ids) and bool(bad_ids(ids, vocab).any()):
+    if is_integer_tensor(ids) and bool(bad_ids(ids, vocab).any()):
         return OptionError(ids_message(where, ids, vocab))
-    if _integer(labels) and labels.dim() > 0 and bool(bad_labels(labels, vocab).any()):
+    if is_integer_tensor(labels) and labels.dim() > 0 and bool(bad_labels(labels, vocab).any()):
         return OptionError(labels_message(where, labels, vocab))
     return None
 
@@ -79,7 +79,7 @@ def check_on_host(model: nn.Module, args: tuple, kwargs: dict[str, Any], where: 
             named.update(inspect.signature(model.forward).bind_partial(*args).arguments)
         except TypeError:  # the call itself is wrong: the model says so when it runs
             return
-    held = {k: t for k in ("input_ids", "labels") if _integer(t := named.get(k)) and t.device.type == "cpu"}
+    held = {k: t for k in ("input_ids", "labels") if is_integer_tensor(t := named.get(k)) and t.device.type == "cpu"}
     if not held:
         return
     err = token_range_error(model, held, where)
@@ -87,5 +87,5 @@ def check_on_host(model: nn.Module, args: tuple, kwargs: dict[str, Any], where: 
         raise err
 
 
-def _integer(t: Any) -> bool:
+def is_integer_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
