@@ -87,16 +87,27 @@ class CompiledMoE(nn.Module):
         schedule at pp > 1, gradient accumulation at pp = 1), gradients reduced once. Returns the
         replica's loss (the batch-mean token loss: microbatch j weighted by its share of the loss
         tokens) on every rank. Every rank of one pipeline (and of one CP group) passes the same batch.
-        m: the compile option ``microbatches``; at pp = 1 ``microbatches=`` here may change it."""
+        m: the compile option ``microbatches``; at pp = 1 ``microbatches=`` here may change it. A batch
+        that any rank refuses is refused on every rank before the step runs (runtime/batch_agreement.py)."""
         if self.pipeline is not None:
             if microbatches not in (None, self.pipeline.schedule.microbatches):
                 raise OptionError(f"train_step(microbatches={microbatches}): this pipeline's schedule was compiled "
                                   f"for microbatches={self.pipeline.schedule.microbatches}")
             return self.pipeline.train_step(batch)
+        from .runtime.batch_agreement import agree_on_batch
         from .runtime.pipeline_runtime import microbatch_weights, split_batch_check, weighted_loss
 
         m = microbatches or self.program.options.microbatches
-        b = split_batch_check(batch, m)
+        err = None
+        try:  # this rank's refusals, agreed over the world before any rank runs a collective of the step
+            b = split_batch_check(batch, m)
+            if self.program.mesh.cp > 1:
+                from .runtime.context_parallel import shard_batch
+
+                shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False)
+        except OptionError as e:
+            err = e
+        agree_on_batch(self.model, batch, err)
         w = microbatch_weights(batch.get("labels"), m)
         total = None
         for j in range(m):

@@ -15,8 +15,9 @@ stays tensors.
 Outside the transport path (not counted here; this step runs neither):
 * ``runtime/lease_runtime.py:_agreed_busy`` — forwards_in_flight > 1 only: once per forward, the EP
   group's all-reduced busy flags of the lease instances (``tolist``), so every rank claims the same one.
-* ``runtime/pipeline_runtime.py:_check_token_range`` — pp > 1 only: once per train_step, the world's
-  all-reduced verdict on out-of-vocabulary token ids and labels (``tolist``), before the schedule.
+* ``runtime/batch_agreement.py:agree_on_batch`` — cm.train_step only (every mesh; not cm(...)): once per
+  step, the world's all-reduced verdict on the batches (a rank's refusal, out-of-vocabulary token ids and
+  labels; ``tolist``), before the step's first collective, so that every rank refuses together.
 """
 
 from __future__ import annotations

@@ -60,3 +60,50 @@ def test_no_sync_accumulation_and_checkpoint_views(tmp_path):
         assert r["dtensor"], r
         assert r["expert_global_shape"] == (8, 128, 64) and r["expert_local_shape"] == (4, 128, 64), r
         assert r["restored"] and r["was_different"], r
+
+
+def refused_batch_worker(rank, world):
+    """ep_mp=2 without a pipeline: rank 1 alone passes a batch it refuses (a token id beyond the vocabulary,
+    then 3 sequences for 2 microbatches); rank 0's batch is good. Both raise before the step runs (rank 0
+    used to wait in the first dispatch until the collective timeout), and the next step on every rank
+    equals the dense model's."""
+    from moe_compile.errors import OptionError
+
+    model = build_model("tiny")
+    good, later = make_batches(world, 4, 16, seed=3), make_batches(world, 4, 16, seed=4)
+    ref = copy.deepcopy(model)  # per microbatch, as train_step (the router's aux loss is each microbatch's)
+    ref_losses = [sum(ref(input_ids=x, labels=x).loss for x in b.chunk(2)) / 2 for b in later]
+    torch.stack(ref_losses).mean().backward()
+    ref_grads = grads_of(ref)
+    cm = moe_compile(model, MeshSpec.parse("ep_mp=2"), microbatches=2)
+    cm.train_step(input_ids=good[rank], labels=good[rank])
+    bad = good[rank].clone()
+    bad[2, 5] = 10_000
+    msgs = []
+    for kw in (dict(input_ids=bad, labels=good[rank]), dict(input_ids=good[rank][:3], labels=good[rank][:3])):
+        try:
+            cm.train_step(**(kw if rank == 1 else dict(input_ids=good[rank], labels=good[rank])))
+            msgs.append("no error")
+        except OptionError as e:
+            msgs.append(str(e))
+    cm.ddp.zero_grad()
+    for p in cm.model.parameters():
+        p.grad = None
+    loss = cm.train_step(input_ids=later[rank], labels=later[rank])
+    grads = cm.full_grads()
+    cm.close()
+    return {"msgs": msgs, "loss_err": rel_err(loss.detach(), ref_losses[rank].detach()),
+            "grad_err": max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)}
+
+
+def test_a_batch_refused_on_one_rank_is_refused_on_every_rank():
+    for rank, r in enumerate(run_ranks(refused_batch_worker, 2, timeout=120)):
+        ids, split = r["msgs"]
+        if rank == 1:
+            assert "input_ids hold token id 10000, outside the model's vocabulary [0, 256)" in ids, r
+            assert "a batch of 3 sequences does not split into microbatches=2" in split, r
+        else:
+            assert "rank 1's input_ids fall outside the model's vocabulary [0, 256)" in ids, r
+            assert "rank 1 refused its batch" in split, r
+        assert all("no rank started the step" in m for m in r["msgs"]), r
+        assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5, (rank, r)

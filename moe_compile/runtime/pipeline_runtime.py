@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ..capture import compile_entry, fresh
 from ..errors import OptionError, RuntimeFault
-from . import token_range
+from .batch_agreement import agree_on_batch
 
 
 class _Recorded(Exception):
@@ -274,7 +274,7 @@ class PipelineRuntime:
             kwargs, w, shape, b = self._prepare(batch)
         except OptionError as e:  # agreed below: a refusal on one rank alone left the others in a receive
             err = e
-        self._agree(batch, err)
+        agree_on_batch(self.cm.model, batch, err)
         if self._torch_schedule is None:
             m = self.schedule.microbatches
             self._build({k: (v[: b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
@@ -321,40 +321,6 @@ class PipelineRuntime:
             raise OptionError(f"train_step: batch shapes {shape} differ from the first step's {self._shape}; a "
                               "pipeline is compiled for one microbatch shape")
         return kwargs, w, shape, b
-
-    def _agree(self, batch: dict[str, Any], err: OptionError | None) -> None:
-        """Refuse a batch on every rank alike, before the schedule: inside it only the stage that reads a bad
-        input raises (the embedding's IndexError on stage 0, the loss's on the last) and a refusal of this
-        rank's alone (no labels, an uneven split, another shape than the first step's, a CP shard) leaves the
-        others waiting forever in a receive. The verdict (this rank's refusal, token ids or labels outside
-        the vocabulary) is all-reduced over the world — ranks of other replicas pass other batches, and the
-        step's gradient reduction spans them: one small all-reduce and one host read per step."""
-        vocab = token_range.vocab_size(self.cm.model)
-        ids, labels = (t if token_range.is_integer_tensor(t) else None for t in (batch.get("input_ids"), batch.get("labels")))
-        device = next(self.cm.model.parameters()).device
-        no = torch.zeros((), dtype=torch.bool, device=device)
-        mine = torch.stack([torch.full((), err is not None, device=device),
-                            token_range.bad_ids(ids, vocab).any().to(device) if vocab and ids is not None else no,
-                            token_range.bad_labels(labels, vocab).any().to(device)
-                            if vocab and labels is not None and labels.dim() > 0 else no])
-        flag = mine.to(torch.int64) * (self.cm.groups.rank + 1)  # which rank, for the others' message
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        refused, ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read
-        if max(refused, ids_rank, labels_rank) < 0:
-            return
-        bad = mine.tolist()
-        suffix = "; no rank started the schedule"
-        if err is not None:
-            raise OptionError(f"{err}{suffix}") from err
-        if bad[1]:
-            raise OptionError(token_range.ids_message("train_step", ids, vocab) + suffix)
-        if bad[2]:
-            raise OptionError(token_range.labels_message("train_step", labels, vocab) + suffix)
-        if refused >= 0:
-            raise OptionError(f"train_step: rank {refused} refused its batch (its error is raised there){suffix}")
-        which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
-        raise OptionError(f"train_step: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
-                          f"(its error is raised there){suffix}")
 
     # -- planning (explain) -------------------------------------------------------------------------
     def plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:
