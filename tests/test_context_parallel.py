@@ -144,6 +144,15 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
             cm(**kw)
         except OptionError as e:
             msgs.append(str(e))
+    good = b[:, :8]  # a train_step whose CP shard rank 1 alone refuses: both refuse, then both train on
+    mine = dict(input_ids=good, labels=good)
+    if rank == 1:
+        mine["attention_mask"] = torch.tensor([[1] * 7 + [0]] * 2)
+    try:
+        cm.train_step(**mine)
+    except OptionError as e:
+        msgs.append(str(e))
+    msgs.append(f"{cm.train_step(input_ids=good, labels=good).item():.6f}")
     cm.close()
     cm = moe_compile(_model("olmoe"), spec)  # return_dict=False: the tuple's loss is the whole sequence's too
     x = make_batches(1, 2, 8, seed=2)[0]
@@ -159,8 +168,9 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
 
 
 def test_context_parallel_bad_input_is_a_clear_error():
-    for msgs, (whole, as_tuple, want, given) in run_ranks(bad_cp_worker, 2):
-        assert len(msgs) == 10, msgs
+    results = run_ranks(bad_cp_worker, 2)
+    for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(results):
+        assert len(msgs) == 12, msgs
         assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
         assert "output_router_logits=True" in msgs[1]
         assert "layers of kind ['linear_attention']" in msgs[2]
@@ -171,6 +181,9 @@ def test_context_parallel_bad_input_is_a_clear_error():
         assert "position_ids must have input_ids' shape (2, 8) and increase" in msgs[7] and "packed" in msgs[7]
         assert "a KV cache (use_cache=True" in msgs[8]
         assert "['token_type_ids'] ((2, 8)) look per-token and would not be sharded" in msgs[9]
+        assert ("attention_mask with padding" if rank == 1 else "rank 1 refused its batch") in msgs[10], msgs[10]
+        assert "no rank started the step" in msgs[10], msgs[10]
+        assert msgs[11] == results[0][0][11], (msgs[11], results[0][0][11])  # the next step: one CP group loss
         assert as_tuple == whole, (as_tuple, whole)
         assert abs(given - want) <= 1e-5 * abs(want), (given, want)
 
