@@ -132,7 +132,9 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
             moe_compile(model, spec)
         except UnsupportedFeatureError as e:
             msgs.append(str(e))
-    cm = moe_compile(_model("tiny"), spec)
+    model = _model("tiny")
+    dense = copy.deepcopy(model)
+    cm = moe_compile(model, spec)
     b = make_batches(1, 2, 10)[0]
     packed = torch.arange(4).repeat(2).expand(2, -1)  # two sequences of 4 in each row
     for kw in ({"input_ids": b, "labels": b},
@@ -152,7 +154,8 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
         cm.train_step(**mine)
     except OptionError as e:
         msgs.append(str(e))
-    msgs.append(f"{cm.train_step(input_ids=good, labels=good).item():.6f}")
+    step_loss = cm.train_step(input_ids=good, labels=good).item()
+    msgs.append(abs(step_loss - dense(input_ids=good, labels=good).loss.item()) / abs(step_loss))
     cm.close()
     cm = moe_compile(_model("olmoe"), spec)  # return_dict=False: the tuple's loss is the whole sequence's too
     x = make_batches(1, 2, 8, seed=2)[0]
@@ -168,8 +171,7 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
 
 
 def test_context_parallel_bad_input_is_a_clear_error():
-    results = run_ranks(bad_cp_worker, 2)
-    for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(results):
+    for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs
         assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
         assert "output_router_logits=True" in msgs[1]
@@ -183,7 +185,7 @@ def test_context_parallel_bad_input_is_a_clear_error():
         assert "['token_type_ids'] ((2, 8)) look per-token and would not be sharded" in msgs[9]
         assert ("attention_mask with padding" if rank == 1 else "rank 1 refused its batch") in msgs[10], msgs[10]
         assert "no rank started the step" in msgs[10], msgs[10]
-        assert msgs[11] == results[0][0][11], (msgs[11], results[0][0][11])  # the next step: one CP group loss
+        assert msgs[11] <= TOL, msgs[11]  # the next step: the dense model's loss on every CP rank
         assert as_tuple == whole, (as_tuple, whole)
         assert abs(given - want) <= 1e-5 * abs(want), (given, want)
 
