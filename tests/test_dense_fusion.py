@@ -2,7 +2,8 @@
 kernels, the moe:: / lease / transport ops stay opaque nodes in their order (but for the routed-row ops
 inlined as aten code), and loss and gradients match the dense model (fp32, 1e-5) on two EP ranks
 (symmetric transport: lease ops; one test, since a cold inductor compile costs minutes on 2 cores). The
-row-op decompositions are checked against per-row loops and against the ops' own kernels."""
+row-op decompositions are checked against per-row loops and against the ops' own kernels, the expert-FFN
+decomposition against per-expert dense autograd and the grouped_ffn kernels."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from moe_compile import moe_compile
 from moe_compile.codegen.dense_fusion import cpp_compiler, resolve_dense_fusion, split_segments
+from moe_compile.codegen.ffn_decompositions import FFN_DECOMPOSITIONS
 from moe_compile.codegen.row_decompositions import ROW_DECOMPOSITIONS, inline_row_ops
 from moe_compile.errors import OptionError
 from moe_compile.ops import op_namespace
@@ -26,7 +28,8 @@ SMALL = dict(n_layers=1, d_model=32, expert_hidden=32)  # one layer: the fewest 
 needs_cxx = pytest.mark.skipif(cpp_compiler() is None, reason="inductor on CPU needs a C++ compiler")
 
 
-INLINED = tuple(f"moe.{name}.default" for name in ROW_DECOMPOSITIONS)
+INLINED = tuple(f"moe.{name}.default" for name in (*ROW_DECOMPOSITIONS, *FFN_DECOMPOSITIONS))
+FFN_GEMMS = ("moe.expert_mm.default", "moe.expert_mm_weight_grad.default")  # what the inlined FFNs call
 
 
 def opaque_order(gm: torch.fx.GraphModule, skip: tuple[str, ...] = ()) -> list[str]:
@@ -60,7 +63,8 @@ def fusion_worker(rank: int, world: int, mesh: str | None, skewed: bool = False)
             "pure_segments": all(n.target is operator.getitem or n.target.namespace in ("aten", "prims") for n in inside)
             and not any(op_namespace(n.target) for n in inside),
             "moe_ops": sorted({str(n.target) for n in gm.graph.nodes if op_namespace(n.target)}),
-            "order_kept": opaque_order(gm, skip=INLINED) == opaque_order(info["executable"]),
+            "order_kept": opaque_order(gm, skip=INLINED) == opaque_order(info["executable"], skip=FFN_GEMMS),
+            "ffn_gemms": sum(t in FFN_GEMMS for t in opaque_order(info["executable"])),
             "row_ops_left": [t for t in opaque_order(info["executable"]) if t in INLINED],
             "inlined": info["inlined_row_ops"],
             "leases": sum("lease_" in t for t in opaque_order(info["executable"])),
@@ -76,7 +80,8 @@ def check(r: dict, leases: bool) -> None:
         assert g["segments"] > 0 and g["pure_segments"], (kind, g)
         assert g["order_kept"], (kind, g)
         assert g["inlined"] > 0 and not g["row_ops_left"], (kind, g)  # unpermute (and mirrors) fused
-        assert any("grouped_ffn" in t for t in g["moe_ops"]), (kind, g)  # the expert compute stays ours
+        assert any("grouped_ffn" in t for t in g["moe_ops"]), (kind, g)  # the lowered graph keeps the op,
+        assert g["ffn_gemms"] == (2 if kind == "forward" else 4), (kind, g)  # the executable its GEMMs
         assert (g["leases"] > 0) == leases, (kind, g)
 
 
@@ -182,3 +187,59 @@ def test_row_op_inlining_matches_loops_and_kernels(dtype, tol):
         assert rel_err(a.float(), ref) <= tol, name
         assert rel_err(b.float(), ref) <= tol, name
     assert torch.allclose(ref_gx, k * x.float(), atol=tol * k)  # each token's K rows are copies of it
+
+
+def _expert_reference(x, counts, w_in, w_out, g_out, act):
+    """out, and the gradients of ⟨out, g_out⟩ w.r.t. x, w_in, w_out, by dense autograd, expert by expert
+    over the valid rows (torch.nn.functional ops: independent of both FFN forms)."""
+    x, w_in, w_out = (t.detach().clone().requires_grad_() for t in (x, w_in, w_out))
+    outs, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        pre = x[start:start + c] @ w_in[e].t()
+        outs.append(act(pre) @ w_out[e].t())
+        start += c
+    out = torch.cat(outs)
+    (out * g_out[:start]).sum().backward()
+    return out.detach(), x.grad[:start], w_in.grad, w_out.grad
+
+
+_ACTS = {
+    "silu": (True, lambda p: torch.nn.functional.silu(p.chunk(2, -1)[0]) * p.chunk(2, -1)[1]),
+    "relu2": (False, lambda p: torch.relu(p) ** 2),
+    "clamped_swiglu(alpha=1.702,limit=7.0,up_offset=1.0)": (
+        True, lambda p: (p.chunk(2, -1)[1].clamp(-7, 7) + 1) * p.chunk(2, -1)[0].clamp(max=7)
+        * torch.sigmoid(1.702 * p.chunk(2, -1)[0].clamp(max=7))),
+}
+
+
+@pytest.mark.parametrize("activation", list(_ACTS))
+def test_expert_ffn_inlining_matches_dense_autograd_and_kernels(activation):
+    """inline_row_ops on a traced grouped_ffn + grouped_ffn_backward: no grouped_ffn node is left (its
+    GEMMs become expert_mm ops, its activation aten nodes), and over the valid prefix of a capacity-sized
+    buffer (an expert with no rows, unspecified rows past the prefix) the outputs and gradients match
+    per-expert dense autograd and the ops' own kernels."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gated, act = _ACTS[activation]
+    g = torch.Generator().manual_seed(0)
+    cap, d, h, counts = 24, 8, 6, torch.tensor([5, 0, 9, 3])
+    f = 2 * h if gated else h
+    x = torch.randn(cap, d, generator=g)
+    x[counts.sum():] = float("nan")  # rows past the valid prefix: nothing may read them
+    w_in, w_out = torch.randn(4, f, d, generator=g) / 3, torch.randn(4, d, h, generator=g) / 3
+    g_out = torch.randn(cap, d, generator=g)
+
+    def ffn(x, counts, w_in, w_out, g_out):
+        out, pre = torch.ops.moe.grouped_ffn(x, counts, w_in, w_out, activation, gated, "b")
+        return (out, *torch.ops.moe.grouped_ffn_backward(g_out, x, pre, counts, w_in, w_out, activation, gated, "b"))
+
+    gm = make_fx(ffn, tracing_mode="fake")(x, counts, w_in, w_out, g_out)
+    inlined, count = inline_row_ops(gm)
+    targets = {str(n.target) for n in inlined.graph.nodes if n.op == "call_function"}
+    assert count == 2 and not targets & set(INLINED) and set(FFN_GEMMS) <= targets
+    valid = int(counts.sum())
+    ref = _expert_reference(x, counts, w_in, w_out, g_out, act)
+    for form in (inlined(x, counts, w_in, w_out, g_out), ffn(x, counts, w_in, w_out, g_out)):
+        got = (form[0][:valid], form[1][:valid], form[2], form[3])
+        for name, a, b in zip(("out", "g_x", "g_w_in", "g_w_out"), got, ref):
+            assert a.shape == b.shape and rel_err(a, b) <= 1e-6, (name, rel_err(a, b))

@@ -2,7 +2,9 @@
 
     inline    first, on a copy: the routed-row ops that are index arithmetic (unpermute, its backward,
               permute's backward) become aten nodes, so they fuse with the dense code around them
-              (row_decompositions.py)
+              (row_decompositions.py); on CPU the expert FFN and its backward become their GEMMs
+              (moe::expert_mm ops) around the activation in aten, fused into one loop each way
+              (ffn_decompositions.py)
     split     the lowered graph, in node order, into maximal runs of pure aten nodes ("segments")
               and the opaque nodes between them: every moe::/moe_triton::/moe_cp:: op, lease op,
               collective, or anything with side effects (by schema or effect registration)

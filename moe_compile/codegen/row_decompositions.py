@@ -26,6 +26,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .ffn_decompositions import FFN_DECOMPOSITIONS
+
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
     """pos with pos[order[r]] = r (order is a permutation of the R routed rows)."""
@@ -81,7 +83,8 @@ def _decomposition(n: fx.Node) -> Callable | None:
     t = n.target
     if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "moe":
         return None
-    entry = ROW_DECOMPOSITIONS.get(t._overloadpacket.__name__)
+    name = t._overloadpacket.__name__
+    entry = ROW_DECOMPOSITIONS.get(name) or FFN_DECOMPOSITIONS.get(name)
     if entry is None or n.kwargs:
         return None
     fn, applies = entry
@@ -124,7 +127,8 @@ def _splice(out: fx.Graph, sub: fx.Graph, inputs: list, origin: str):
 
 
 def inline_row_ops(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` with every applicable row op replaced by its aten graph; and how many were."""
+    """A copy of ``gm`` with every applicable row op (and expert FFN: ffn_decompositions.py) replaced by
+    its aten graph; and how many were."""
     out = fx.Graph()
     env: dict[fx.Node, object] = {}
     inlined = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .activations import ffn_activation, ffn_activation_backward, ffn_activation_parts
-from .grouped_mm import grouped_mm
+from .grouped_mm import grouped_mm, pad_rows
 
 # -- permute ------------------------------------------------------------------------------------
 
@@ -157,16 +157,7 @@ def grouped_ffn(
     if not valid:
         return recv.new_empty(recv.shape[0], w_out.shape[1]), recv.new_empty(recv.shape[0], w_in.shape[1])
     o, p = _ffn_rows(recv[:valid], counts, w_in, w_out, activation, gated, b_in, b_out)
-    return _pad_rows(o, recv.shape[0]), _pad_rows(p, recv.shape[0])
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` as the valid prefix of a ``rows``-row buffer (no copy if it is full)."""
-    if t.shape[0] == rows:
-        return t
-    out = t.new_empty((rows,) + tuple(t.shape[1:]))
-    out[: t.shape[0]].copy_(t)
-    return out
+    return pad_rows(o, recv.shape[0]), pad_rows(p, recv.shape[0])
 
 
 @grouped_ffn.register_fake
@@ -182,7 +173,7 @@ def _ffn_backward_rows(grad_out, recv, pre, counts, w_in, w_out, activation, gat
     a, act_gate = ffn_activation_parts(p, activation, gated)
     g_w_out = grouped_mm(go.t(), a, counts)
     g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
-    g_recv = _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
+    g_recv = pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
     g_w_in = grouped_mm(g_pre.t(), x, counts)
     return g_recv, g_w_in, g_w_out, g_pre
 
@@ -195,7 +186,7 @@ def _ffn_input_grad(grad_out, recv, pre, counts, w_in, w_out, activation, gated)
     g_a = grouped_mm(grad_out[:valid], w_out, counts)
     a, act_gate = ffn_activation_parts(pre[:valid], activation, gated)
     g_pre = ffn_activation_backward(g_a, pre[:valid], activation, gated, act_gate)
-    return _pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
+    return pad_rows(grouped_mm(g_pre, w_in, counts), recv.shape[0])
 
 
 @torch.library.custom_op("moe::grouped_ffn_backward", mutates_args=())

@@ -19,8 +19,7 @@ import torch
 
 from ..mxfp8 import dequantize_packed, packed_width, quantize_packed
 from .activations import ffn_activation, ffn_activation_backward, ffn_activation_parts
-from .experts import _pad_rows
-from .grouped_mm import grouped_mm
+from .grouped_mm import grouped_mm, pad_rows
 
 
 def _k(packed_cols: int) -> int:
@@ -80,7 +79,7 @@ def grouped_ffn_mx(
         return recv.new_empty(cap, d, dtype=dtype), recv.new_empty(cap, f, dtype=dtype)
     p = mx_grouped_mm(recv[:valid], w_in, counts, dtype)
     out = mx_grouped_mm(quantize_packed(ffn_activation(p, activation, gated), mode), w_out, counts, dtype)
-    return _pad_rows(out, cap), _pad_rows(p, cap)
+    return pad_rows(out, cap), pad_rows(p, cap)
 
 
 @grouped_ffn_mx.register_fake
@@ -115,7 +114,7 @@ def grouped_ffn_backward_mx(
     a, act_gate = ffn_activation_parts(p, activation, gated)
     g_w_out = grouped_mm(go.t(), a.float(), counts)  # fp32 operands
     g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
-    g_recv = _pad_rows(mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype), cap)
+    g_recv = pad_rows(mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype), cap)
     x = dequantize_packed(recv[:valid], d)
     g_w_in = grouped_mm(g_pre.float().t(), x, counts)
     return g_recv, g_w_in.to(w_in.dtype), g_w_out.to(w_out.dtype)
