@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -10,7 +13,7 @@ from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import MeshError, OptionError, RecognitionError, UnsupportedFeatureError
 from moe_compile.models import MoEFeedForward, TinyMoEConfig
 
-from .common import build_model, make_batches
+from .common import build_model, make_batches, rel_err
 from .harness import run_ranks
 
 # -- meshes ----------------------------------------------------------------------------------------
@@ -375,3 +378,37 @@ def test_out_of_vocabulary_ids_and_labels_are_named_and_the_next_step_is_clean(n
     got, want = cm.full_grads(), grads_of(dense)
     assert set(got) == set(want)
     assert max(rel_err(got[k], want[k]) for k in want) <= 1e-5
+
+
+def ragged_batch_worker(rank, world, transport):
+    """ep_mp=2: rank 0 passes 1 sequence, rank 1 four (each sizes its receive buffers from its own row
+    count). Both ranks raise a moe_compile error (the all_to_all transport aborted the process in gloo
+    before); the next forward with batches of one shape matches the dense model."""
+    from moe_compile.errors import RuntimeFault
+
+    model = build_model("tiny")
+    ref = copy.deepcopy(model)
+    batches = make_batches(world, 4, 16, seed=5)
+    cm = moe_compile(model, MeshSpec.parse("ep_mp=2"), transport=transport)
+    try:
+        cm(input_ids=batches[rank][: 1 + 3 * rank], labels=batches[rank][: 1 + 3 * rank]).loss.backward()
+        msg = "no error"
+    except RuntimeFault as e:
+        msg = str(e)
+    for p in cm.parameters():
+        p.grad = None
+    loss = cm(input_ids=batches[rank], labels=batches[rank]).loss
+    cm.close()
+    return {"msg": msg, "loss_err": rel_err(loss.detach(), ref(input_ids=batches[rank], labels=batches[rank]).loss)}
+
+
+@pytest.mark.parametrize("transport", ["all_to_all", "symmetric"])
+def test_ep_ranks_with_batches_of_different_shapes_are_refused_on_every_rank(transport):
+    for r in run_ranks(ragged_batch_worker, 2, transport, timeout=180):
+        if transport == "all_to_all":
+            rows = re.search(r"different numbers of rows \(rank 0: (\d+), rank 1: (\d+);", r["msg"])
+            assert rows and 4 * int(rows[1]) == int(rows[2]), r  # 1 and 4 sequences of one length
+            assert "same shape" in r["msg"] and "no rows were moved" in r["msg"], r
+        else:
+            assert "lease plans differ" in r["msg"] and "batches differ in shape" in r["msg"], r
+        assert r["loss_err"] <= 1e-5, r

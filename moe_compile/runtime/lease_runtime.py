@@ -245,8 +245,11 @@ class LeaseRuntime:
         sigs = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(sigs, plan_signature(plan), group=self.group)
         if len(set(sigs)) != 1:
-            raise RuntimeFault(f"lease plans differ between the ranks of the EP group ({sigs}); symmetric "
-                               "allocation is collective and needs one plan")
+            raise RuntimeFault(
+                f"lease plans differ between the ranks of the EP group (signatures by rank: {sigs}): the ranks "
+                "compiled different programs, most often because their batches differ in shape or in which "
+                "inputs they pass (labels on one rank only); every rank of an EP group must pass batches of one "
+                "shape with the same inputs, since symmetric allocation is collective and needs one plan")
 
     def _payload(self, name: str) -> tuple[int, Payload]:
         if self.active is None:

@@ -14,7 +14,8 @@ sizes receive buffers with it; the ledger's figure ``C = ceiling(c_f·T·K)`` su
 :func:`exact_capacity_factor`, so the two agree exactly).
 
 Host reads: :meth:`RoutePlan.from_layout` produces Python split lists (``.tolist()``) and row totals
-(``int()``) — what a collective with uneven splits needs; only ``AllToAllTransport`` builds one.
+(``int()``, and each rank's routed rows, which must agree) — what a collective with uneven splits needs;
+only ``AllToAllTransport`` builds one.
 
 The order does not depend on the order in which the router lists a token's K experts: a token routes
 to an expert at most once, so inside one (source, expert) segment the rows are in token order.
@@ -79,6 +80,7 @@ class RoutePlan:
     layout: torch.Tensor  # [2, ep, ep, L] requested / kept rows (the plan is derived from it)
     send_identity: bool  # nothing dropped: the rows leave in the order they are (send_index = arange)
     recv_identity: bool  # one source or one local expert: arrival order is already expert-major
+    rows_per_rank: list[int]  # [ep] routed rows (T·K) each rank of the group requested
 
     @property
     def valid(self) -> int:
@@ -116,4 +118,5 @@ class RoutePlan:
             layout=layout,
             send_identity=bool(send_index.numel() == int(seg_len.sum())),
             recv_identity=ep == 1 or nl == 1,
+            rows_per_rank=req.sum((1, 2)).tolist(),
         )

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
+from ..errors import RuntimeFault
 from .route_plan import RoutePlan
 from .stats import RuntimeStats
 
@@ -25,6 +26,19 @@ from .stats import RuntimeStats
 def wire_view(t: torch.Tensor) -> torch.Tensor:
     """gloo has no fp8 types: 1-byte floats travel as uint8 views."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+def check_same_rows(rows_per_rank: list[int], block: str) -> None:
+    """Every rank of an EP-MP group must route as many rows (the same batch shape): each sizes its receive
+    buffer and takes its capacity decisions from its own row count, so peers with other counts would move
+    rows their peers do not expect (gloo aborts the process). Every rank sees the same all-gathered counts,
+    so every rank raises here, before any row moves."""
+    if len(set(rows_per_rank)) > 1:
+        by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows_per_rank))
+        raise RuntimeFault(
+            f"{block}: the ranks of the EP-MP group route different numbers of rows ({by_rank}; rows = tokens "
+            "× top-k): every rank of an EP group must pass batches of the same shape (pad them to one shape, "
+            "labels -100 on the padding); no rows were moved")
 
 
 class Transport(ABC):
@@ -51,6 +65,7 @@ class Transport(ABC):
     def dispatch_rows(self, xs: torch.Tensor, layout: torch.Tensor, capacity: int, what: str,
                       block: str = "") -> torch.Tensor:
         plan = self.plan(layout)
+        check_same_rows(plan.rows_per_rank, block)
         send = xs if plan.send_identity else xs.index_select(0, plan.send_index)
         flat = self._move(send, plan.send_splits, plan.recv_splits)
         self._count(what, send, plan.send_splits, plan.me)
