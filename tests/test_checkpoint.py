@@ -554,3 +554,44 @@ def test_kill_9_then_resume_is_bitwise_identical(tmp_path):
     assert "resumed from" in proc.stdout and "(resumed at step" in proc.stdout, proc.stdout
     assert losses(run) == losses(ref)  # every step's loss and grad norm, bit for bit
     assert [r[0] for r in losses(run)] == list(range(1, 41))
+
+
+def test_bad_save_arguments_are_refused_and_a_damaged_latest_pointer_falls_back(tmp_path):
+    """A negative step would be written as step_-0000001 and never found again (and resume would load an
+    older state silently); keep_last < 1 would prune what was just saved. Both refused before anything is
+    written. A ``latest`` pointer with undecodable bytes falls back to the last committed checkpoint."""
+    cm, opt = trained()
+    save_checkpoint(tmp_path, cm, opt, step=1, data_position=1)
+    for kw, match in ((dict(step=-1), "step=-1 must be an int >= 0"), (dict(step=2.0), "step=2.0 must be an int"),
+                      (dict(step=2, keep_last=0), "keep_last=0 must be None"),
+                      (dict(step=2, keep_last=-1), "keep_last=-1 must be None")):
+        with pytest.raises(CheckpointError, match=match):
+            save_checkpoint(tmp_path, cm, opt, data_position=2, **{"keep_last": None, **kw})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    (tmp_path / "latest").write_bytes(b"\xff\xfe step_0000")
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert load_checkpoint(tmp_path, cm, opt).step == 1
+
+
+def unpreparable_root_worker(rank, world, root):
+    """The root is a regular file: rank 0 cannot create it. Every rank raises CheckpointError at once (rank 0
+    raised a raw FileExistsError and rank 1 waited in the save's barrier until the collective timeout)."""
+    cm = moe_compile(build_model("tiny"), MeshSpec.parse("ep_mp=2"))
+    opt = OLMoDDPOptimizer(cm, lr=1e-2)
+    t = time.monotonic()
+    try:
+        save_checkpoint(root, cm, opt, step=1, data_position=1)
+        msg = "no error"
+    except CheckpointError as e:
+        msg = str(e)
+    cm.close()
+    return {"msg": msg, "seconds": time.monotonic() - t}
+
+
+def test_a_root_rank_0_cannot_create_fails_on_every_rank(tmp_path):
+    root = tmp_path / "a_file"
+    root.write_text("not a directory")
+    for r in run_ranks(unpreparable_root_worker, 2, str(root), timeout=120):
+        assert "rank 0 could not prepare" in r["msg"] and "FileExistsError" in r["msg"], r
+        assert "previous checkpoint is untouched" in r["msg"] and r["seconds"] < 60, r
+    assert root.read_text() == "not a directory"

@@ -84,11 +84,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
 def _all_gather(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (collective; pickled, so keep it small)."""
     if not _dist():
@@ -228,7 +223,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        name = pointer.read_text().strip()
+        name = pointer.read_text(errors="replace").strip()  # a damaged pointer: the fallback below
         for target in (root / name, root / f".{name}.old"):
             if _STEP_DIR.fullmatch(name) and _complete(target):
                 return target
@@ -319,16 +314,24 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     "manifest" (manifest written, not yet renamed); raising there simulates a crash mid-save."""
     import torch.distributed.checkpoint as dcp
 
+    _check_save_args(step, keep_last)
     root = Path(root)
     name = f"step_{step:08d}"
     final, tmp = root / name, root / f".{name}.partial"
+    prep = ""
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a crashed save
-            shutil.rmtree(tmp)
-        for gone in root.glob(".step_*.pruned"):  # left by a crashed removal
-            shutil.rmtree(gone, ignore_errors=True)
-    _barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a crashed save
+                shutil.rmtree(tmp)
+            for gone in root.glob(".step_*.pruned"):  # left by a crashed removal
+                shutil.rmtree(gone, ignore_errors=True)
+        except OSError as e:  # agreed below: the other ranks would otherwise wait in the save's collectives
+            prep = f"{type(e).__name__}: {e}"
+    prep = _all_gather(prep)[0]  # also the barrier before anyone writes; every rank reports rank 0's reason
+    if prep:
+        raise CheckpointError(f"saving checkpoint {final} failed: rank 0 could not prepare {root} ({prep}); "
+                              "the previous checkpoint is untouched")
     state = _state(cm, opt, fresh=False)
     state.update(_train_tensors(step, data_position, opt.step_count, opt.skipped_steps))
     try:
@@ -378,6 +381,17 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
         raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {err or 'see rank 0'}; "
                               "the previous checkpoint is untouched")
     return final
+
+
+def _check_save_args(step: Any, keep_last: Any) -> None:
+    """step an int ≥ 0 (step_<N> names with a sign would not be found again: latest_checkpoint matches
+    digits), keep_last None or an int ≥ 1 (0 or less would prune the checkpoint just saved)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"save_checkpoint: step={step!r} must be an int >= 0 (it names the step_<N> "
+                              "directory that latest_checkpoint and resume look for)")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"save_checkpoint: keep_last={keep_last!r} must be None (keep all) or an int >= 1 "
+                              "(the number of newest checkpoints kept, the one being saved included)")
 
 
 def _commit(root: Path, name: str, tmp: Path, final: Path, keep_last: int | None) -> None:
