@@ -97,9 +97,16 @@ class CompiledMoE(nn.Module):
         from .runtime.batch_agreement import agree_on_batch
         from .runtime.pipeline_runtime import microbatch_weights, split_batch_check, weighted_loss
 
-        m = microbatches or self.program.options.microbatches
+        m = self.program.options.microbatches if microbatches is None else microbatches
         err = None
         try:  # this rank's refusals, agreed over the world before any rank runs a collective of the step
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise OptionError(f"train_step(microbatches={microbatches!r}): must be an int >= 1")
+            if batch.get("labels") is None:
+                raise OptionError("train_step needs labels=...: the step's loss is the model's loss on them")
+            if batch.get("return_dict") is False:
+                raise OptionError("train_step(return_dict=False): train_step reads the model output's loss and "
+                                  "returns it; leave return_dict out")
             b = split_batch_check(batch, m)
             if self.program.mesh.cp > 1:
                 from .runtime.context_parallel import shard_batch

@@ -107,3 +107,26 @@ def test_a_batch_refused_on_one_rank_is_refused_on_every_rank():
             assert "rank 1 refused its batch" in split, r
         assert all("no rank started the step" in m for m in r["msgs"]), r
         assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5, (rank, r)
+
+
+def test_train_step_refuses_bad_arguments_before_running():
+    """At pp = 1: microbatches that is not an int >= 1 (-1 crashed in a reshape, 2.0 in a TypeError, 0 fell
+    back to the compiled default), no labels (an AttributeError after a whole forward) and
+    return_dict=False are OptionErrors naming the argument; the next good step matches the dense model."""
+    from moe_compile.errors import OptionError
+
+    model = build_model("tiny")
+    ref = copy.deepcopy(model)
+    batch = make_batches(1, 4, 16, seed=2)[0]
+    cm = moe_compile(model, microbatches=2)
+    cases = ((dict(microbatches=-1), "microbatches=-1"), (dict(microbatches=0), "microbatches=0"),
+             (dict(microbatches=2.0), "microbatches=2.0"), (dict(microbatches=True), "microbatches=True"),
+             (dict(labels=None), "needs labels"), (dict(return_dict=False), "return_dict=False"))
+    for kw, match in cases:
+        with pytest.raises(OptionError, match=match):
+            cm.train_step(**{"input_ids": batch, "labels": batch, **kw})
+    assert all(p.grad is None for p in cm.parameters())  # nothing ran
+    loss = cm.train_step(input_ids=batch, labels=batch)
+    want = sum(ref(input_ids=x, labels=x).loss for x in batch.chunk(2)) / 2
+    assert rel_err(loss.detach(), want.detach()) <= 1e-5
+    cm.close()
