@@ -65,6 +65,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     by this rank's shard. Options: see :class:`CompileOptions`.
     """
     opts = CompileOptions.from_kwargs(options)
+    _check_not_compiled(model)
     codegen = resolve_codegen(opts.codegen, _device_type(model))
     resolve_dense_fusion(opts.dense_fusion, _device_type(model))  # no C++ compiler for "inductor": fail here
     if isinstance(mesh, str):
@@ -176,6 +177,18 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
             "that would see one rank's shard only under context parallelism; use cp=1")
 
 
+def _check_not_compiled(model: nn.Module) -> None:
+    """moe_compile takes ownership of a model (its MoE blocks run the canonical forward, its experts hold
+    this rank's shard): compiling it again would recognise that form, not the user's model."""
+    from .frontend.canonical import installed
+
+    done = next((name for name, m in model.named_modules() if installed(m)), None)
+    if done is not None:
+        raise OptionError(f"{done or type(model).__name__}: this model was already compiled by moe_compile, which "
+                          "takes ownership of it (its MoE blocks run the compiled form and hold this rank's expert "
+                          "shard); compile a fresh copy of the model (copy.deepcopy before the first moe_compile)")
+
+
 def _schedule_for(spec: MeshSpec, opts: CompileOptions):
     """The pipeline schedule's action order (None at pp=1, where train_step accumulates instead)."""
     from .schedules import ScheduleOrder, check_schedule
@@ -183,6 +196,9 @@ def _schedule_for(spec: MeshSpec, opts: CompileOptions):
     v = opts.stages_per_rank or (2 if opts.schedule == "interleaved_1f1b" else 1)
     check_schedule(opts.schedule, spec.pp, opts.microbatches, v)
     if spec.pp == 1:
+        if opts.pp_split is not None:
+            raise OptionError(f"pp_split={list(opts.pp_split)}: the mesh has pp=1, so there are no pipeline stages "
+                              "to split; drop pp_split or set pp in the mesh")
         return None
     if opts.microbatches < spec.pp and opts.schedule != "gpipe":
         raise OptionError(f"schedule={opts.schedule!r} on pp={spec.pp} needs microbatches ≥ pp, got "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,8 +71,13 @@ class CompileOptions:
             raise OptionError(f"mxfp8={self.mxfp8!r}: supported values are {MXFP8_MODES}")
         if self.mxfp8_scale_mode not in MXFP8_SCALE_MODES:
             raise OptionError(f"mxfp8_scale_mode={self.mxfp8_scale_mode!r}: supported values are {MXFP8_SCALE_MODES}")
-        if not isinstance(self.debug_pictures, bool):
-            raise OptionError(f"debug_pictures={self.debug_pictures!r}: must be True or False")
+        for name in ("lease_sharing", "lease_debug", "debug_pictures", "fullgraph"):  # "no" is truthy
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.debug_dir is not None and not isinstance(self.debug_dir, str | os.PathLike):
+            raise OptionError(f"debug_dir={self.debug_dir!r}: must be a directory path (str or os.PathLike)")
+        if self.debug_dir is not None and os.path.exists(self.debug_dir) and not os.path.isdir(self.debug_dir):
+            raise OptionError(f"debug_dir={str(self.debug_dir)!r}: exists and is not a directory")
         fif = self.forwards_in_flight
         if not isinstance(fif, int) or isinstance(fif, bool) or fif < 1:
             raise OptionError(f"forwards_in_flight={fif!r}: must be a positive integer")

@@ -266,6 +266,11 @@ def test_missing_top_k():
     ({"bucket_mb": "25"}, "bucket_mb='25': must be a positive number"),
     ({"transport": "carrier_pigeon"}, "transport='carrier_pigeon'"),
     ({"bogus": 1}, r"unknown moe_compile option\(s\) \['bogus'\]"),
+    ({"fullgraph": "no"}, "fullgraph='no': must be True or False"),  # a truthy string was taken as True
+    ({"lease_sharing": "no"}, "lease_sharing='no': must be True or False"),
+    ({"debug_dir": 123}, "debug_dir=123: must be a directory path"),  # failed inside dynamo's first compile
+    ({"debug_dir": __file__}, "exists and is not a directory"),
+    ({"pp_split": ["layers.1"]}, r"pp_split=\['layers.1'\]: the mesh has pp=1"),  # silently ignored before
 ])
 def test_bad_options(kw, match):
     with pytest.raises(OptionError, match=match):
@@ -412,3 +417,12 @@ def test_ep_ranks_with_batches_of_different_shapes_are_refused_on_every_rank(tra
         else:
             assert "lease plans differ" in r["msg"] and "batches differ in shape" in r["msg"], r
         assert r["loss_err"] <= 1e-5, r
+
+
+def test_compiling_a_compiled_model_again_says_so():
+    """moe_compile takes ownership of its model; a second moe_compile of it said 'no expert activation
+    found' (it recognised the canonical form it had installed) — it now names the cause and the fix."""
+    model = build_model("tiny")
+    moe_compile(model).close()
+    with pytest.raises(OptionError, match="already compiled by moe_compile.*compile a fresh copy"):
+        moe_compile(model)

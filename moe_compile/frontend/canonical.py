@@ -199,6 +199,12 @@ def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: tor
     return token
 
 
+def installed(module: nn.Module) -> bool:
+    """Whether ``module`` runs an installed canonical forward (a model moe_compile already took over)."""
+    fwd = module.__dict__.get("forward")
+    return getattr(fwd, "__func__", None) in (_router_forward, _experts_forward, _block_forward)
+
+
 def _as_param(t: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
     return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=like.requires_grad)
 
