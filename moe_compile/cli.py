@@ -8,7 +8,8 @@ import re
 import sys
 from dataclasses import fields
 
-from .errors import OptionError
+from .errors import MoECompileError, OptionError
+from .mesh import MeshSpec
 from .train.loop import TrainConfig, check_ckpt_dir, print_summary, train_rank
 
 
@@ -142,7 +143,6 @@ def _explain_parser(sub) -> None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .errors import MoECompileError
     from .explain import explain
 
     try:
@@ -207,6 +207,13 @@ def cmd_families(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(names))
         return 0
+    try:  # before any rank starts: a bad mesh would otherwise be an "error" row for every family, exit 0
+        if args.ranks < 1:
+            raise OptionError(f"--ranks {args.ranks}: must be ≥ 1")
+        MeshSpec.parse(args.mesh).resolve(args.ranks)
+    except MoECompileError as e:
+        print(f"moe-compile families: {e}", file=sys.stderr)
+        return 2
     try:
         results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, timeout=24 * 3600)[0]
     except RankFailure as e:

@@ -114,7 +114,11 @@ def config_from_json(path: str | Path):
     if "model_type" not in data:
         raise OptionError(f"{path}: a transformers config.json needs a 'model_type' (e.g. 'olmoe', 'mixtral')")
     kind = data.pop("model_type")
-    cfg = tf.AutoConfig.for_model(kind, **data)
+    try:
+        cfg = tf.AutoConfig.for_model(kind, **data)
+    except ValueError as e:  # transformers: unrecognised model type (its message lists every known one)
+        raise OptionError(f"--hf-config {path}: model_type {kind!r} is not a model type this transformers "
+                          f"({tf.__version__}) knows ({str(e).splitlines()[0][:160]})") from None
     cfg.use_cache = False
     return cfg
 
@@ -135,6 +139,9 @@ def meta_model(*, hf: str | None = None, hf_config: str | None = None, model: st
 
     cfg = published_config(hf) if hf is not None else config_from_json(hf_config)
     name = ALIASES.get(hf.lower(), hf.lower()) if hf is not None else Path(hf_config).name
+    if type(cfg) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise OptionError(f"{name}: model_type {cfg.model_type!r} has no causal-LM class in transformers "
+                          f"(AutoModelForCausalLM); moe_compile compiles MoE causal LMs")
     with torch.device("meta"):
         return tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype), name
 
@@ -189,6 +196,8 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
             getattr(getattr(net, "config", None), "max_seq_len", 4096)
         seq_len = min(4096, int(limit))
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out}: exists and is not a directory (explain writes its report files there)")
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
     cm = None

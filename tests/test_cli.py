@@ -164,3 +164,16 @@ def test_families_rejects_unknown_names():
     proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "families", "llama"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "not MoE causal-LM families" in proc.stderr and "'llama'" in proc.stderr
+
+
+def test_families_and_train_refuse_bad_arguments_before_any_rank_starts(capsys):
+    """A mesh typo made every family an "error" row and exited 0; --ranks 0 an IndexError; a tiny-model
+    width the attention heads do not split failed inside dynamo on every rank; --capacity-factor nan
+    reached the ranks. Each is now exit 2 at once, naming the argument."""
+    from moe_compile.cli import main
+
+    cases = ((["families", "olmoe", "--mesh", "tp=2"], "tp"), (["families", "olmoe", "--ranks", "0"], "--ranks 0"),
+             (["train", "--d-model", "30"], "--d-model 30"), (["train", "--capacity-factor", "nan"], "--capacity-factor nan"))
+    for args, message in cases:
+        assert main(args) == 2, args
+        assert message in capsys.readouterr().err, args

@@ -124,3 +124,21 @@ def test_explain_without_graphviz_writes_sources_and_says_so_once(tmp_path, monk
     assert checker.stack == []
     assert "apt-get install graphviz" in report and "href='partitioned.dot'" in report
     assert (out / "timeline.svg").exists()  # plain SVG, no graphviz needed
+
+
+def test_explain_names_bad_configs_and_outputs(tmp_path, capsys):
+    """An unknown model_type and a config that is not a causal LM were raw transformers tracebacks, an
+    --out that is a file a raw FileExistsError: each is now exit 2 with the file and the rule."""
+    (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "gpt_moe_9000"}))
+    (tmp_path / "t5.json").write_text(json.dumps({"model_type": "t5"}))
+    (tmp_path / "afile").write_text("")
+    cases = (
+        (["--hf-config", str(tmp_path / "unknown.json")], "model_type 'gpt_moe_9000' is not a model type this"),
+        (["--hf-config", str(tmp_path / "t5.json")], "model_type 't5' has no causal-LM class"),
+        (["--model", "tiny", "--out", str(tmp_path / "afile")], "exists and is not a directory"),
+    )
+    for args, message in cases:
+        out = [] if "--out" in args else ["--out", str(tmp_path / "o")]
+        assert main(["explain", *args, "--mesh", "dp=2", *out]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (args, err)

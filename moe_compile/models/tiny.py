@@ -40,6 +40,11 @@ class TinyMoEConfig:
     dense_layers: tuple[int, ...] = field(default_factory=tuple)  # layers with a dense MLP instead
     init_std: float = 0.02
 
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"TinyMoEConfig: d_model={self.d_model} must be a multiple of n_heads={self.n_heads} "
+                             "(the attention heads split it evenly)")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6) -> None:

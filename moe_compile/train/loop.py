@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..errors import OptionError
 from ..mesh import MeshSpec
+from ..models import TinyMoEConfig
 from .data import check_data_file
 from .optimizer import OLMoDDPOptimizer, StepResult
 
@@ -80,6 +81,12 @@ class TrainConfig:
             raise OptionError(f"--lr {self.lr}, --weight-decay {self.weight_decay}: must be finite and ≥ 0")
         if self.max_grad_norm is not None and not (self.max_grad_norm >= 0):
             raise OptionError(f"--max-grad-norm {self.max_grad_norm}: must be ≥ 0 (0: no clipping)")
+        if self.model == "tiny" and self.d_model % TinyMoEConfig.n_heads:
+            raise OptionError(f"--d-model {self.d_model}: the tiny model's {TinyMoEConfig.n_heads} attention heads "
+                              "split it evenly, so it must be a multiple of them")
+        cf = self.capacity_factor  # NaN fails every comparison: checked here, before any rank starts
+        if cf is not None and not (isinstance(cf, int | float) and math.isfinite(cf) and cf > 0):
+            raise OptionError(f"--capacity-factor {cf}: must be a positive number")
         if self.log_every < 1:
             raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
         if self.data:  # before any rank is spawned: a missing file is exit 2, not a failure on every rank
