@@ -426,3 +426,25 @@ def test_compiling_a_compiled_model_again_says_so():
     moe_compile(model).close()
     with pytest.raises(OptionError, match="already compiled by moe_compile.*compile a fresh copy"):
         moe_compile(model)
+
+
+def test_inputs_that_are_not_token_ids_are_named():
+    """Float or bool ids, 1-D or empty ids, labels of another shape or dtype: dynamo's fake-tensor errors
+    before (naming neither the input nor the rule); now OptionErrors naming the input, and the next call
+    matches the dense model."""
+    model = build_model("tiny")
+    ref = copy.deepcopy(model)
+    ids = make_batches(1, 2, 16, seed=1)[0]
+    cm = moe_compile(model)
+    cases = ((dict(input_ids=ids.float()), "input_ids of dtype torch.float32"),
+             (dict(input_ids=ids.bool()), "input_ids of dtype torch.bool"),
+             (dict(input_ids=ids[0]), r"input_ids of shape \[16\]: a causal LM takes a non-empty \[batch, sequence\]"),
+             (dict(input_ids=ids[:0]), r"input_ids of shape \[0, 16\]"),
+             (dict(input_ids=ids, labels=ids[:, :8]), r"labels of shape \[2, 8\] for input_ids of shape \[2, 16\]"),
+             (dict(input_ids=ids, labels=ids.float()), "labels of dtype torch.float32"))
+    for kw, match in cases:
+        with pytest.raises(OptionError, match=match):
+            cm(**kw)
+    loss = cm(input_ids=ids, labels=ids).loss
+    assert rel_err(loss.detach(), ref(input_ids=ids, labels=ids).loss.detach()) <= 1e-5
+    cm.close()

@@ -1,4 +1,5 @@
-"""Token ids and labels outside the model's vocabulary, refused before the program runs. Inside it the
+"""Token ids and labels outside the model's vocabulary (or not token ids: dtype, shape), refused before the
+program runs. Inside it the
 embedding's or the loss's IndexError names neither the batch nor the vocabulary, an inductor-compiled
 embedding aborts the whole process (its kernel's C++ exception ends in std::terminate), and under a
 pipeline only the stage that reads them fails while the others wait in a receive."""
@@ -79,12 +80,35 @@ def check_on_host(model: nn.Module, args: tuple, kwargs: dict[str, Any], where: 
             named.update(inspect.signature(model.forward).bind_partial(*args).arguments)
         except TypeError:  # the call itself is wrong: the model says so when it runs
             return
+    shape_err = batch_layout_error(named, where)
+    if shape_err is not None:
+        raise shape_err
     held = {k: t for k in ("input_ids", "labels") if is_integer_tensor(t := named.get(k)) and t.device.type == "cpu"}
     if not held:
         return
     err = token_range_error(model, held, where)
     if err is not None:
         raise err
+
+
+def batch_layout_error(named: dict[str, Any], where: str) -> OptionError | None:
+    """input_ids and labels that no causal LM takes: not integer token ids (float, bool), not [batch, seq],
+    empty, or labels of another shape than the ids. Inside the program each was a fake-tensor error from
+    dynamo that named neither the input nor the rule. Shapes and dtypes only: no value is read."""
+    ids, labels = named.get("input_ids"), named.get("labels")
+    for name, t in (("input_ids", ids), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype == torch.bool or not is_integer_tensor(t):
+            return OptionError(f"{where}: {name} of dtype {t.dtype}: token ids and labels are integer tensors "
+                               "(torch.long)")
+        if t.dim() != 2 or t.numel() == 0:
+            return OptionError(f"{where}: {name} of shape {list(t.shape)}: a causal LM takes a non-empty "
+                               "[batch, sequence] tensor")
+    if isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor) and ids.shape != labels.shape:
+        return OptionError(f"{where}: labels of shape {list(labels.shape)} for input_ids of shape {list(ids.shape)}: "
+                           "a causal LM's labels are the ids' shape (-100 where no loss is taken)")
+    return None
 
 
 def is_integer_tensor(t: Any) -> bool:
