@@ -111,6 +111,17 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         propagate_fake(new_sorted)
         n.replace_all_uses_with(out)
         g.erase_node(n)
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=_keeps)
     gm.recompile()
     return gm
+
+
+def _keeps(n: fx.Node) -> bool:
+    """What dead-code elimination must keep: FX's impure nodes, and in-place writes, which it takes for
+    pure when they are Tensor methods. A captured graph writes into buffers through them: HF's MLA
+    attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, …) builds its keys with new_empty and two slice copy_'s
+    that nothing reads, and without them SDPA attended over uninitialised keys."""
+    if n.is_impure():
+        return True
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
