@@ -65,13 +65,17 @@ def _forward_lines(cls) -> tuple[str, int, int] | None:
 
 
 def capture_error(e: BaseException, model: torch.nn.Module) -> BaseException | None:
-    """The UnsupportedFeatureError for a capture that failed on data-dependent Python control flow or
-    shapes in the user's model (a branch, loop or size on tensor values, which one static graph cannot
-    hold), naming the innermost module whose forward holds it; None for any other error."""
-    from torch._dynamo.exc import UserError
+    """The error to raise for a failed capture: a moe_compile error a pass raised inside the backend
+    (dynamo wraps it in BackendCompilerFailed), or the UnsupportedFeatureError for data-dependent Python
+    control flow or shapes in the user's model (a branch, loop or size on tensor values, which one static
+    graph cannot hold), naming the innermost module whose forward holds it; None for any other error."""
+    from torch._dynamo.exc import BackendCompilerFailed, UserError
 
-    from .errors import UnsupportedFeatureError
+    from .errors import MoECompileError, UnsupportedFeatureError
 
+    inner = getattr(e, "inner_exception", None)
+    if isinstance(e, BackendCompilerFailed) and isinstance(inner, MoECompileError):
+        return inner  # a pass refused the graph (e.g. context parallelism's attention checks): its own error
     text = str(e)
     if not (isinstance(e, UserError) and "data-dependent" in text):
         return None

@@ -209,3 +209,35 @@ def test_train_cp2_then_resume_on_cp1(tmp_path):
     assert [s for s, _, _ in got] == [1, 2, 3, 4]
     for (s, loss, norm), (_, rl, rn) in zip(got, want):
         assert abs(loss - rl) <= 1e-5 * abs(rl) and abs(norm - rn) <= 1e-4 * abs(rn), (s, loss, rl, norm, rn)
+
+
+def capture_refusal_worker(rank: int, world: int) -> list[str]:
+    """Refusals the CP pass raises while the graph is captured (inside dynamo's backend call): eager
+    attention (no SDPA to rewrite) and attention dropout. They came out as dynamo's BackendCompilerFailed,
+    not the moe_compile error inside it."""
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    x = make_batches(1, 2, 8, seed=2)[0]
+    out = []
+    for kw in ({"attn_implementation": "eager"}, {"attention_dropout": 0.1}):
+        model = build_model("olmoe")
+        if "attn_implementation" in kw:
+            model.config._attn_implementation = kw["attn_implementation"]
+        else:
+            for mod in model.modules():  # the attention modules read it from the config when built
+                if hasattr(mod, "attention_dropout"):
+                    mod.attention_dropout = kw["attention_dropout"]
+            model.train()  # HF passes dropout_p to SDPA only in training mode
+        cm = moe_compile(model, spec)
+        try:
+            cm(input_ids=x, labels=x).loss.backward()
+            out.append("no error")
+        except Exception as e:  # noqa: BLE001 - the test checks its type
+            out.append(f"{type(e).__name__}: {e}")
+        cm.close()
+    return out
+
+
+def test_refusals_found_while_capturing_are_moe_compile_errors():
+    for msgs in run_ranks(capture_refusal_worker, 2):
+        assert msgs[0].startswith("UnsupportedFeatureError") and "rewrites scaled_dot_product_attention" in msgs[0], msgs
+        assert msgs[1].startswith("UnsupportedFeatureError") and "attention dropout 0.1" in msgs[1], msgs
