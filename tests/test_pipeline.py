@@ -32,6 +32,10 @@ def dense_reference(model, replicas: list[torch.Tensor], m: int):
 
 
 def _model(name: str, layers: int, **kw):
+    if name.startswith("family:"):  # a transformers family's tiny config (moe-compile families' models)
+        from moe_compile.models.hf import tiny_family_model
+
+        return tiny_family_model(name[len("family:"):], seed=0)
     return build_model(name, **({"n_layers": layers} if name.startswith("tiny") else {"layers": layers}), **kw)
 
 
@@ -103,6 +107,14 @@ def test_pipeline_ep_schedules_four_ranks():
          "model_kw": {"dense_layers": (0,)}, "options": {"pp_split": ["layers.1"]}},
     ]
     check(run_ranks(pipeline_worker, 4, cases), IN_FLIGHT)
+
+
+def test_pipeline_keeps_nodes_captured_for_their_effect():
+    """Jamba's Mamba mixer runs associative_scan through torch.func.vmap on CPU: the captured graph opens
+    a vmap level and closes it with a node nothing reads. The stage split dropped that node (no stage
+    needed its value), the level stayed open, and stage 0's compiled function hit a functorch INTERNAL
+    ASSERT while the stages compiled; now the stages match the dense model."""
+    check(run_ranks(pipeline_worker, 2, [{"model": "family:jamba", "mesh": "pp=2", "schedule": "1f1b", "m": 2}]))
 
 
 @pytest.mark.slow

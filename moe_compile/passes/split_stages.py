@@ -206,6 +206,7 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
         else:
             kind[n], stage[n] = "batch", None
     output = next(n for n in nodes if n.op == "output")
+    last = 0  # the stage of the last staged node, in graph order
     for n in nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -213,6 +214,11 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
             raise IRError(f"split_stages: captured graph reads attribute {n.target} directly; expected lifted inputs")
         ins = [stage[a] for a in n.all_input_nodes if stage[a] is not None]
         s = max(ins) if ins else None
+        if s is None and not n.users:
+            # read by nothing and reading no staged value: a node kept for its effect (dynamo's graphs hold
+            # no dead pure nodes), e.g. torch.func's _vmap_decrement_nesting closing a vmap level that Jamba's
+            # associative_scan opened; no stage needed it, so it was dropped and the level stayed open
+            s = last
         layer = _layer_of(n, pattern)
         if layer is not None:
             ls = split.layer_stage[layer]
@@ -222,6 +228,7 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
                               f"{src.name} from the later stage {stage[src]}")
             s = ls
         stage[n] = s
+        last = s if s is not None else last
     for a in output.all_input_nodes:
         if stage[a] is not None and stage[a] > S - 1:
             raise IRError("split_stages: output from beyond the last stage")
