@@ -4,7 +4,8 @@
     torch_compile     torch.compile(model): inductor on the plain model (the single-device reference)
     moe_none          moe_compile(model, dense_fusion="none")
     moe_inductor      moe_compile(model, dense_fusion="inductor")
-    gemm_floor        Σ self CPU time of aten::mm/addmm/bmm/_grouped_mm in a profiled moe_none step
+    gemm_floor        Σ self CPU time of aten::mm/addmm/_grouped_mm in a profiled moe_none step (not bmm: see
+                      GEMM_OPS)
     gemm_attn_floor   gemm_floor + the SDPA kernels' self time (forward and backward): attention's matrix
                       products run inside them (with their softmax), so this bounds a floor that counts them
 
@@ -37,7 +38,10 @@ import sys
 import time
 
 PATHS = ("hf_eager", "torch_compile", "moe_none", "moe_inductor")
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
+# aten::bmm is not counted: in these steps its only caller is moe::unpermute_backward's router-weight
+# gradient, [T·K, 1, d]·[T·K, d, 1] row dot products (a reduction written as a bmm, 7 ms of a default-size
+# step); attention's products run inside the SDPA kernels (ATTENTION_OPS), the expert GEMMs as mm calls
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::_grouped_mm")
 ATTENTION_OPS = tuple(f"aten::_scaled_dot_product_{k}{b}" for k in ("flash_attention_for_cpu", "flash_attention",
                                                                      "efficient_attention", "cudnn_attention")
                       for b in ("", "_backward"))
