@@ -184,9 +184,10 @@ def _check_not_compiled(model: nn.Module) -> None:
 
     done = next((name for name, m in model.named_modules() if installed(m)), None)
     if done is not None:
-        raise OptionError(f"{done or type(model).__name__}: this model was already compiled by moe_compile, which "
-                          "takes ownership of it (its MoE blocks run the compiled form and hold this rank's expert "
-                          "shard); compile a fresh copy of the model (copy.deepcopy before the first moe_compile)")
+        raise OptionError(f"{done or type(model).__name__}: this model was already compiled by moe_compile (or a "
+                          "moe_compile of it failed part-way), which takes ownership of it (its MoE blocks run the "
+                          "compiled form and hold this rank's expert shard); compile a fresh copy of the model "
+                          "(copy.deepcopy before the first moe_compile)")
 
 
 def _schedule_for(spec: MeshSpec, opts: CompileOptions):

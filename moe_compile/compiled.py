@@ -96,17 +96,21 @@ class CompiledMoE(nn.Module):
             return self.pipeline.train_step(batch)
         from .runtime.batch_agreement import agree_on_batch
         from .runtime.pipeline_runtime import microbatch_weights, split_batch_check, weighted_loss
+        from .runtime.token_range import batch_layout_error
 
         m = self.program.options.microbatches if microbatches is None else microbatches
         err = None
         try:  # this rank's refusals, agreed over the world before any rank runs a collective of the step
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-                raise OptionError(f"train_step(microbatches={microbatches!r}): must be an int >= 1")
-            if batch.get("labels") is None:
-                raise OptionError("train_step needs labels=...: the step's loss is the model's loss on them")
+            m = _whole_number(m, f"train_step(microbatches={microbatches!r})")
+            if batch.get("labels") is None and batch.get("shift_labels") is None:
+                raise OptionError("train_step needs labels=... (or shift_labels=...): the step's loss is the "
+                                  "model's loss on them")
             if batch.get("return_dict") is False:
                 raise OptionError("train_step(return_dict=False): train_step reads the model output's loss and "
                                   "returns it; leave return_dict out")
+            layout = batch_layout_error(batch, "train_step")
+            if layout is not None:
+                raise layout
             b = split_batch_check(batch, m)
             if self.program.mesh.cp > 1:
                 from .runtime.context_parallel import shard_batch
@@ -115,7 +119,10 @@ class CompiledMoE(nn.Module):
         except OptionError as e:
             err = e
         agree_on_batch(self.model, batch, err)
-        w = microbatch_weights(batch.get("labels"), m)
+        if batch.get("labels") is not None:
+            w = microbatch_weights(batch["labels"], m)
+        else:
+            w = microbatch_weights(batch["shift_labels"], m, shifted=True)
         total = None
         for j in range(m):
             mb = {k: (v[j * b // m:(j + 1) * b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
@@ -291,3 +298,16 @@ class CompiledMoE(nn.Module):
             leases.heap.close()
         if self.ddp is not None:
             self.ddp.close()
+
+
+def _whole_number(v: Any, what: str) -> int:
+    """``v`` as an int ≥ 1 (Python or numpy integers; not bool, not float)."""
+    import operator
+
+    try:
+        n = operator.index(v) if not isinstance(v, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise OptionError(f"{what}: must be an int >= 1")
+    return n

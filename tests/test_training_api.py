@@ -129,4 +129,12 @@ def test_train_step_refuses_bad_arguments_before_running():
     loss = cm.train_step(input_ids=batch, labels=batch)
     want = sum(ref(input_ids=x, labels=x).loss for x in batch.chunk(2)) / 2
     assert rel_err(loss.detach(), want.detach()) <= 1e-5
+    shifted = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -100)], 1)  # transformers' own shift
+    shifted[0, :9] = -100  # microbatches with different loss-token counts: weighted by them
+    as_shift = cm.train_step(input_ids=batch, shift_labels=shifted)  # a loss without labels= is still a step
+    masked = batch.clone()
+    masked[0, 1:10] = -100
+    # microbatches of 2 sequences: 6 + 15 and 15 + 15 loss tokens
+    want = (ref(input_ids=batch[:2], labels=masked[:2]).loss * 21 + ref(input_ids=batch[2:], labels=batch[2:]).loss * 30) / 51
+    assert rel_err(as_shift.detach(), want.detach()) <= 1e-5
     cm.close()

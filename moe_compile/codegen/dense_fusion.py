@@ -2,7 +2,7 @@
 
     inline    first, on a copy: the routed-row ops that are index arithmetic (unpermute, its backward,
               permute's backward) become aten nodes, so they fuse with the dense code around them
-              (row_decompositions.py); on CPU the expert FFN and its backward become their GEMMs
+              (row_decompositions.py); on CPU at ep_mp = 1 the expert FFN and its backward become their GEMMs
               (moe::expert_mm ops) around the activation in aten, fused into one loop each way
               (ffn_decompositions.py)
     split     the lowered graph, in node order, into maximal runs of pure aten nodes ("segments")
@@ -204,10 +204,11 @@ def _standalone_compile(sub: fx.GraphModule, fake: list, mode):
         return compile_(sub, fake, dynamic_shapes="from_tracing_context")
 
 
-def fuse_dense(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, Any]]:
+def fuse_dense(gm: fx.GraphModule, ffn: bool = True) -> tuple[fx.GraphModule, dict[str, Any]]:
     """An executable copy of ``gm`` whose dense segments run as inductor kernels; returns it and a
-    summary (segments compiled, nodes in them, opaque nodes kept, row ops inlined)."""
-    gm, inlined = inline_row_ops(gm)
+    summary (segments compiled, nodes in them, opaque nodes kept, row ops inlined). ``ffn``: inline the
+    expert FFN's activation too (ffn_decompositions.py)."""
+    gm, inlined = inline_row_ops(gm, ffn)
     segs = [s for s in split_segments(gm) if _computes(s)]
     in_seg = {n: i for i, s in enumerate(segs) for n in s}
     out_g = fx.Graph()
@@ -255,6 +256,8 @@ def dense_executable(gm: fx.GraphModule, program) -> fx.GraphModule:
     gm.meta["moe_dense_fusion"] = {"mode": mode}
     if mode == "none":
         return gm
-    fused, summary = fuse_dense(gm)
+    # the inlined FFN activation runs over every row of the receive buffer: on one EP rank exactly the
+    # routed rows, under EP up to ep_mp times more (dropless capacity, grown), which is not measured
+    fused, summary = fuse_dense(gm, ffn=program.ep_size == 1)
     gm.meta["moe_dense_fusion"].update(summary, executable=fused)
     return fused

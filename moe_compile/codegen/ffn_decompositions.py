@@ -12,8 +12,9 @@ their recompute, the two halves of the derivative), each over [rows, h] tensors 
 in and streams through memory; fused, each direction reads pre once and writes its outputs once. The
 GEMMs are the same grouped GEMMs over the same valid prefix. Only the bias-free forms on CPU are inlined
 (the biased backward is another op; see ``_applies`` for GPUs); the activation then runs over every row of the capacity-sized buffer,
-those past the valid prefix included (their values are unspecified and nothing reads them; on one rank,
-and whenever the load fills the buffer, there are none).
+those past the valid prefix included (their values are unspecified and nothing reads them), so dense
+fusion inlines it only at ep_mp = 1, where the buffer is exactly the routed rows (under EP the dropless
+buffer holds 1.5× to ep_mp× of them, and the trade has not been measured there).
 
 Only for dense_fusion="inductor", on the executable copy (``row_decompositions.inline_row_ops``).
 """

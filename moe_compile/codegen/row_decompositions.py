@@ -79,12 +79,12 @@ ROW_DECOMPOSITIONS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def _decomposition(n: fx.Node) -> Callable | None:
+def _decomposition(n: fx.Node, ffn: bool) -> Callable | None:
     t = n.target
     if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "moe":
         return None
     name = t._overloadpacket.__name__
-    entry = ROW_DECOMPOSITIONS.get(name) or FFN_DECOMPOSITIONS.get(name)
+    entry = ROW_DECOMPOSITIONS.get(name) or (FFN_DECOMPOSITIONS.get(name) if ffn else None)
     if entry is None or n.kwargs:
         return None
     fn, applies = entry
@@ -126,9 +126,9 @@ def _splice(out: fx.Graph, sub: fx.Graph, inputs: list, origin: str):
     raise AssertionError("a traced graph without an output node")
 
 
-def inline_row_ops(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of ``gm`` with every applicable row op (and expert FFN: ffn_decompositions.py) replaced by
-    its aten graph; and how many were."""
+def inline_row_ops(gm: fx.GraphModule, ffn: bool = True) -> tuple[fx.GraphModule, int]:
+    """A copy of ``gm`` with every applicable row op (and, with ``ffn``, expert FFN: ffn_decompositions.py)
+    replaced by its aten graph; and how many were."""
     out = fx.Graph()
     env: dict[fx.Node, object] = {}
     inlined = 0
@@ -136,7 +136,7 @@ def inline_row_ops(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
         if n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), tuple):
             env[n] = env[n.args[0]][n.args[1]]  # an output of an inlined multi-output op
             continue
-        fn = _decomposition(n)
+        fn = _decomposition(n, ffn)
         if fn is None:
             env[n] = out.node_copy(n, env.__getitem__)
             continue

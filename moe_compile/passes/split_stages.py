@@ -206,7 +206,7 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
         else:
             kind[n], stage[n] = "batch", None
     output = next(n for n in nodes if n.op == "output")
-    last = 0  # the stage of the last staged node, in graph order
+    effects: list[fx.Node] = []  # nodes kept for their effect: placed once every other node has a stage
     for n in nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -215,10 +215,7 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
         ins = [stage[a] for a in n.all_input_nodes if stage[a] is not None]
         s = max(ins) if ins else None
         if s is None and not n.users:
-            # read by nothing and reading no staged value: a node kept for its effect (dynamo's graphs hold
-            # no dead pure nodes), e.g. torch.func's _vmap_decrement_nesting closing a vmap level that Jamba's
-            # associative_scan opened; no stage needed it, so it was dropped and the level stayed open
-            s = last
+            effects.append(n)
         layer = _layer_of(n, pattern)
         if layer is not None:
             ls = split.layer_stage[layer]
@@ -228,7 +225,7 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
                               f"{src.name} from the later stage {stage[src]}")
             s = ls
         stage[n] = s
-        last = s if s is not None else last
+    _place_effects(nodes, effects, stage)
     for a in output.all_input_nodes:
         if stage[a] is not None and stage[a] > S - 1:
             raise IRError("split_stages: output from beyond the last stage")
@@ -264,6 +261,35 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
             continue
         out[s] = _build_stage(s, S, nodes, stage, kind, param_of, batch, placeholders, users_stage, output, root)
     return out
+
+
+_CLOSERS = ("decrement", "exit", "pop")  # end a region opened earlier: they go with the nodes before them
+_OPENERS = ("increment", "enter", "push")  # start one: with the nodes after them
+
+
+def _place_effects(nodes: list[fx.Node], effects: list[fx.Node], stage: dict) -> None:
+    """Stages for nodes that read no staged value and that nothing reads: dynamo keeps such a node only
+    for its effect (its graphs hold no dead pure nodes), e.g. torch.func's _vmap_decrement_nesting closing
+    the vmap level Jamba's associative_scan opens. No stage needed its value, so the split dropped it and
+    the level stayed open. Inside a stage it goes with that stage; on a boundary between two stages a
+    closer goes with the stage before, an opener with the one after, and anything else (a grad-mode
+    switch, say) is an error naming it, since either choice could be wrong."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    staged = [(i, stage[n]) for i, n in enumerate(nodes) if n.op != "placeholder" and stage.get(n) is not None]
+    for n in effects:
+        before = next((s for i, s in reversed(staged) if i < pos[n]), None)
+        after = next((s for i, s in staged if i > pos[n]), None)
+        name = str(getattr(n.target, "__name__", n.target))
+        if before is None or after is None or before == after:
+            stage[n] = before if before is not None else (after if after is not None else 0)
+        elif any(w in name for w in _CLOSERS):
+            stage[n] = before
+        elif any(w in name for w in _OPENERS):
+            stage[n] = after
+        else:
+            raise IRError(f"split_stages: {n.name} ({name}) changes state for what follows but sits on the boundary "
+                          f"between pipeline stages {before} and {after}, so neither stage is surely its own; "
+                          "keep the region it opens or closes inside one decoder layer, or move the cut (pp_split)")
 
 
 def _boundary(s: int, nodes: list[fx.Node], stage: dict, S: int) -> list[fx.Node]:

@@ -132,11 +132,12 @@ def _empty_like_val(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(int(s) for s in v.shape), dtype=v.dtype, device=device)
 
 
-def microbatch_weights(labels: torch.Tensor | None, m: int) -> torch.Tensor:
-    """w_j: the share of the batch's loss tokens in microbatch j (shifted labels, −100 ignored)."""
+def microbatch_weights(labels: torch.Tensor | None, m: int, shifted: bool = False) -> torch.Tensor:
+    """w_j: the share of the batch's loss tokens in microbatch j (−100 ignored); ``labels`` are the ids'
+    (the loss reads labels[..., 1:]) or, ``shifted``, already the targets (transformers' shift_labels)."""
     if labels is None:
         return torch.full((m,), 1.0 / m)
-    valid = (labels[..., 1:] != -100).reshape(m, -1).sum(1).double()
+    valid = ((labels if shifted else labels[..., 1:]) != -100).reshape(m, -1).sum(1).double()
     total = valid.sum()
     if total == 0:
         return torch.full((m,), 1.0 / m)

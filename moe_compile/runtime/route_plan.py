@@ -108,15 +108,17 @@ class RoutePlan:
         e_off = torch.cumsum(per_e, 0) - per_e
         s_off = torch.cumsum(k_in, 0) - k_in
         recv_pos = segment_rows((e_off.unsqueeze(0) + s_off).reshape(-1), k_in.reshape(-1))
+        # one host read for the three [ep] lists: send splits, receive splits, each rank's routed rows
+        splits = torch.cat([keep[me].sum(1), k_in.sum(1), req.sum((1, 2))]).tolist()
         return cls(
             send_index=send_index,
-            send_splits=keep[me].sum(1).tolist(),
+            send_splits=splits[:ep],
             recv_pos=recv_pos,
-            recv_splits=k_in.sum(1).tolist(),
+            recv_splits=splits[ep:2 * ep],
             recv_counts=per_e,
             me=me,
             layout=layout,
             send_identity=bool(send_index.numel() == int(seg_len.sum())),
             recv_identity=ep == 1 or nl == 1,
-            rows_per_rank=req.sum((1, 2)).tolist(),
+            rows_per_rank=splits[2 * ep:],
         )

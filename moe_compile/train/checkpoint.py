@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import operator
 import os
 import re
 import shutil
@@ -383,13 +384,23 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     return final
 
 
+def _index(v: Any) -> int | None:
+    """``v`` as an int when it is an integer (Python or numpy), not a bool; else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def _check_save_args(step: Any, keep_last: Any) -> None:
     """step an int ≥ 0 (step_<N> names with a sign would not be found again: latest_checkpoint matches
     digits), keep_last None or an int ≥ 1 (0 or less would prune the checkpoint just saved)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if _index(step) is None or step < 0:
         raise CheckpointError(f"save_checkpoint: step={step!r} must be an int >= 0 (it names the step_<N> "
                               "directory that latest_checkpoint and resume look for)")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (_index(keep_last) is None or keep_last < 1):
         raise CheckpointError(f"save_checkpoint: keep_last={keep_last!r} must be None (keep all) or an int >= 1 "
                               "(the number of newest checkpoints kept, the one being saved included)")
 
