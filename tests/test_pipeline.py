@@ -567,3 +567,30 @@ def test_pipeline_with_context_parallelism():
             assert r["eval_logits_err"] <= TOL, (rank, r)
             a, b = r["eval_loss"]
             assert abs(a - b) <= TOL * abs(b), (rank, r)
+
+
+def per_layer_input_worker(rank: int, world: int) -> str:
+    from moe_compile.models.hf import tiny_family_model
+
+    model = tiny_family_model("gemma4_text", seed=0)
+    b = make_batches(1, 4, 16, seed=3)[0]
+    try:
+        cm = moe_compile(model, MeshSpec.parse("pp=2").resolve(world), microbatches=2)
+        cm.train_step(input_ids=b, labels=b)
+        return "no error"
+    except UnsupportedFeatureError as e:
+        return str(e)
+
+
+def test_a_layer_that_is_the_moe_block_and_per_layer_inputs_from_later_modules():
+    """Gemma 4: each decoder layer is itself the MoE block (router and experts are its children), which the
+    layer-list search skipped ("not inside an nn.ModuleList of layers"); the layers read per-layer inputs
+    made by modules registered after them (so owned by the last stage), refused by name."""
+    from moe_compile.models.hf import tiny_family_model
+
+    model = tiny_family_model("gemma4_text", seed=0)
+    assert [s.path for s in _blocks(model)] == ["model.layers.0", "model.layers.1"]
+    assert plan_split(model, _blocks(model), 2).layer_stage == (0, 1)
+    for msg in run_ranks(per_layer_input_worker, 2):
+        assert "model.layers.0 (stage 0) reads per_layer_input" in msg, msg
+        assert "model.embed_tokens_per_layer.weight" in msg and "use pp=1" in msg, msg

@@ -58,7 +58,7 @@ def find_layer_list(model: nn.Module, block_paths: list[str]) -> tuple[str, nn.M
     found: set[str] = set()
     for path in block_paths:
         parts = path.split(".")
-        for i in range(len(parts) - 1, 0, -1):
+        for i in range(len(parts), 0, -1):  # from the block itself: a decoder layer may be the block (Gemma 4)
             parent = ".".join(parts[:i - 1]) if i > 1 else ""
             if parts[i - 1].isdigit() and isinstance(mods.get(parent), nn.ModuleList):
                 found.add(parent)
@@ -221,8 +221,13 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
             ls = split.layer_stage[layer]
             if s is not None and s > ls:
                 src = max((a for a in n.all_input_nodes if stage[a] is not None), key=lambda a: stage[a])
-                raise IRError(f"split_stages: node {n.name} of {split.layers_path}.{layer} (stage {ls}) reads "
-                              f"{src.name} from the later stage {stage[src]}")
+                later = _params_behind(src, stage, param_of, kind)
+                raise UnsupportedFeatureError(
+                    f"pipeline parallelism: {split.layers_path}.{layer} (stage {ls}) reads {src.name}, which is "
+                    f"computed from parameters of the later stage {stage[src]} ({later[:3]}; parameters outside "
+                    "the decoder layers go to the first stage when their modules are registered before the layers, "
+                    "else to the last); a model that feeds its layers values made from such modules cannot be cut "
+                    "into stages here: use pp=1")
             s = ls
         stage[n] = s
     _place_effects(nodes, effects, stage)
@@ -261,6 +266,22 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
             continue
         out[s] = _build_stage(s, S, nodes, stage, kind, param_of, batch, placeholders, users_stage, output, root)
     return out
+
+
+def _params_behind(n: fx.Node, stage: dict, param_of: dict, kind: dict) -> list[str]:
+    """The parameters of ``n``'s stage that ``n`` is computed from (for the error above)."""
+    seen, todo, out = set(), [n], []
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a.op == "placeholder":
+            if kind.get(a) == "param" and stage[a] == stage[n]:
+                out.append(param_of[a])
+            continue
+        todo.extend(a.all_input_nodes)
+    return sorted(out)
 
 
 _CLOSERS = ("decrement", "exit", "pop")  # end a region opened earlier: they go with the nodes before them
