@@ -13,6 +13,7 @@ import torch.nn as nn
 from .errors import OptionError, RuntimeFault
 from .frontend import MoEBlockSpec
 from .mesh import MeshGroups
+from .options import as_integer
 from .program import Program
 from .runtime import get_context, release_context
 from .train import MultiGroupDistributedDataParallel
@@ -101,7 +102,9 @@ class CompiledMoE(nn.Module):
         m = self.program.options.microbatches if microbatches is None else microbatches
         err = None
         try:  # this rank's refusals, agreed over the world before any rank runs a collective of the step
-            m = _whole_number(m, f"train_step(microbatches={microbatches!r})")
+            if as_integer(m) is None or m < 1:
+                raise OptionError(f"train_step(microbatches={microbatches!r}): must be an int >= 1")
+            m = as_integer(m)
             if batch.get("labels") is None and batch.get("shift_labels") is None:
                 raise OptionError("train_step needs labels=... (or shift_labels=...): the step's loss is the "
                                   "model's loss on them")
@@ -298,16 +301,3 @@ class CompiledMoE(nn.Module):
             leases.heap.close()
         if self.ddp is not None:
             self.ddp.close()
-
-
-def _whole_number(v: Any, what: str) -> int:
-    """``v`` as an int ≥ 1 (Python or numpy integers; not bool, not float)."""
-    import operator
-
-    try:
-        n = operator.index(v) if not isinstance(v, bool) else None
-    except TypeError:
-        n = None
-    if n is None or n < 1:
-        raise OptionError(f"{what}: must be an int >= 1")
-    return n

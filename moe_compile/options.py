@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -56,10 +57,10 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         cf = self.capacity_factor
-        if cf is not None and not _positive_finite(cf):
+        if cf is not None and not positive_finite(cf):
             raise OptionError(f"capacity_factor={cf!r}: must be a positive number, or None for dropless")
         h = self.dropless_headroom
-        if not _positive_finite(h) or h < 1:
+        if not positive_finite(h) or h < 1:
             raise OptionError(f"dropless_headroom={h!r}: must be a number ≥ 1 (receive rows per routed row)")
         if self.transport not in TRANSPORTS:
             raise OptionError(f"transport={self.transport!r}: supported values are {TRANSPORTS}")
@@ -79,11 +80,11 @@ class CompileOptions:
         if self.debug_dir is not None and os.path.exists(self.debug_dir) and not os.path.isdir(self.debug_dir):
             raise OptionError(f"debug_dir={str(self.debug_dir)!r}: exists and is not a directory")
         fif = self.forwards_in_flight
-        if not isinstance(fif, int) or isinstance(fif, bool) or fif < 1:
+        if as_integer(fif) is None or fif < 1:
             raise OptionError(f"forwards_in_flight={fif!r}: must be a positive integer")
         for name in ("microbatches",) + (("stages_per_rank",) if self.stages_per_rank is not None else ()):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if as_integer(v) is None or v < 1:
                 raise OptionError(f"{name}={v!r}: must be a positive integer")
         if self.pp_split is not None:
             if isinstance(self.pp_split, str) or not all(isinstance(x, str) for x in self.pp_split):
@@ -96,7 +97,7 @@ class CompileOptions:
             raise OptionError(f"grad_reduction={self.grad_reduction!r}: supported values are {GRAD_REDUCTIONS}")
         if self.grad_transport not in GRAD_TRANSPORTS:
             raise OptionError(f"grad_transport={self.grad_transport!r}: supported values are {GRAD_TRANSPORTS}")
-        if not _positive_finite(self.bucket_mb):
+        if not positive_finite(self.bucket_mb):
             raise OptionError(f"bucket_mb={self.bucket_mb!r}: must be a positive number")
 
     @classmethod
@@ -108,6 +109,16 @@ class CompileOptions:
         return cls(**kwargs)
 
 
-def _positive_finite(x: Any) -> bool:
+def as_integer(v: Any) -> int | None:
+    """``v`` as an int when it is an integer (Python or numpy; not bool, not float), else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def positive_finite(x: Any) -> bool:
     # NaN fails every comparison, so `x <= 0` alone lets it (and inf) through to the runtime.
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0

@@ -36,7 +36,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import operator
 import os
 import re
 import shutil
@@ -50,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..options import as_integer
 from . import rng_state
 from .checkpoint_views import checkpoint_views
 
@@ -384,23 +384,13 @@ def save_checkpoint(root: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     return final
 
 
-def _index(v: Any) -> int | None:
-    """``v`` as an int when it is an integer (Python or numpy), not a bool; else None."""
-    if isinstance(v, bool):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
-
-
 def _check_save_args(step: Any, keep_last: Any) -> None:
     """step an int ≥ 0 (step_<N> names with a sign would not be found again: latest_checkpoint matches
     digits), keep_last None or an int ≥ 1 (0 or less would prune the checkpoint just saved)."""
-    if _index(step) is None or step < 0:
+    if as_integer(step) is None or step < 0:
         raise CheckpointError(f"save_checkpoint: step={step!r} must be an int >= 0 (it names the step_<N> "
                               "directory that latest_checkpoint and resume look for)")
-    if keep_last is not None and (_index(keep_last) is None or keep_last < 1):
+    if keep_last is not None and (as_integer(keep_last) is None or keep_last < 1):
         raise CheckpointError(f"save_checkpoint: keep_last={keep_last!r} must be None (keep all) or an int >= 1 "
                               "(the number of newest checkpoints kept, the one being saved included)")
 

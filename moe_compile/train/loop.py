@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..errors import OptionError
 from ..mesh import MeshSpec
 from ..models import TinyMoEConfig
+from ..options import positive_finite
 from .data import check_data_file
 from .optimizer import OLMoDDPOptimizer, StepResult
 
@@ -84,9 +85,8 @@ class TrainConfig:
         if self.model == "tiny" and self.d_model % TinyMoEConfig.n_heads:
             raise OptionError(f"--d-model {self.d_model}: the tiny model's {TinyMoEConfig.n_heads} attention heads "
                               "split it evenly, so it must be a multiple of them")
-        cf = self.capacity_factor  # NaN fails every comparison: checked here, before any rank starts
-        if cf is not None and not (isinstance(cf, int | float) and math.isfinite(cf) and cf > 0):
-            raise OptionError(f"--capacity-factor {cf}: must be a positive number")
+        if self.capacity_factor is not None and not positive_finite(self.capacity_factor):  # before any rank starts
+            raise OptionError(f"--capacity-factor {self.capacity_factor}: must be a positive number")
         if self.log_every < 1:
             raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
         if self.data:  # before any rank is spawned: a missing file is exit 2, not a failure on every rank
