@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,9 @@ class CompiledMoE(nn.Module):
             name for spec in program.blocks.values() for name in spec.expert_param_names
         }
         self.pipeline = None  # runtime.pipeline_runtime.PipelineRuntime on a pp > 1 mesh
+        # OLMoDDPOptimizers over this model: load_state_dict sets their FP32 main weights too, else the
+        # next step's copy-back would write the weights held before the load over the loaded ones
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from .runtime.token_range import check_on_host

@@ -164,3 +164,26 @@ def test_adamw_parity_and_checkpoint_portability(tmp_path):
         errs = {n: norm_rel(r["final"][n], a["final"][n]) for n in a["final"]}
         worst = max(errs, key=errs.get)
         assert errs[worst] <= 1e-5, (mesh, worst, errs[worst])
+
+
+def load_then_step_worker(rank, world):
+    """An OLMoDDPOptimizer built, then other weights loaded through cm.load_state_dict (the checkpoint
+    views): the step starts from the loaded weights. Before, the optimizer's FP32 main weights still
+    held the old ones and the step's copy-back wrote them over the load."""
+    src = build_model("tiny", seed=5)  # the weights loaded
+    ref = copy.deepcopy(src)
+    cm = moe_compile(build_model("tiny", seed=0), MeshSpec.parse("ep_mp=2"))
+    opt = OLMoDDPOptimizer(cm, **HYPER)
+    cm.load_state_dict(moe_compile(src, MeshSpec.parse("ep_mp=2")).state_dict())
+    train_step(cm, opt, [global_batches(0)[rank]])
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    losses = [ref(input_ids=x, labels=x).loss for x in global_batches(0)[:world]]
+    (sum(losses) / world).backward()
+    ref_opt.step()
+    got = cm.full_state_dict()
+    return max(norm_rel(got[n], p.detach()) for n, p in ref.named_parameters())
+
+
+def test_load_state_dict_then_step_starts_from_the_loaded_weights():
+    for err in run_ranks(load_then_step_worker, 2):
+        assert err <= 1e-5, err

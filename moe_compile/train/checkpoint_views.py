@@ -68,4 +68,6 @@ def load_checkpoint_views(cm: CompiledMoE, state_dict: dict[str, Any], strict: b
                 own[name].copy_(local)
         for store in stores:  # copy-back: caches from the loaded weight, not a main weight held before
             store.refresh_from(local.float() if store.main is not None else None)
+        for opt in cm.optimizers:  # their FP32 main weights too (the next step copies them back)
+            opt.set_main(name, local)
     return missing, unexpected

@@ -151,6 +151,18 @@ class OLMoDDPOptimizer:
         for store in cm.compute_weights():  # MXFP8 compute-weight caches refresh from the FP32 main
             self.add_compute_weight(store.name, store)
         self.copy_back()  # the caches start from the FP32 main weights, not the BF16 anchors
+        cm.optimizers.add(self)  # cm.load_state_dict sets the main weights (set_main)
+
+    def set_main(self, name: str, local: torch.Tensor) -> None:
+        """The FP32 main weight of parameter ``name`` from a loaded local tensor (the whole dense tensor
+        or this rank's expert shard), as cm.load_state_dict loads it; the moments are kept, as torch's
+        optimizers keep theirs over a model.load_state_dict. Local: each rank sets its owned range."""
+        s = self.slots.get(name)
+        if s is None:  # not trained here: frozen, or another pipeline stage's
+            return
+        fam = next(f for f in self.families if s in f.slots)
+        with torch.no_grad():
+            fam.state["main"][s.off: s.off + s.owned] = local.detach().reshape(-1)[s.lo: s.hi].float()
 
     def release_anchors(self) -> int:
         """Drop the BF16 anchor storage of every FP8WeightStore-backed parameter: from now on the FP32
