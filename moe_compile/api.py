@@ -80,6 +80,11 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if groups is not None:
         _broadcast_from_rank0(model)
     blocks = recognize(model)
+    phases = None
+    if schedule is not None:  # before canonicalising: the probe forward runs the blocks' own forward
+        from .passes.split_stages import outside_phases
+
+        phases = outside_phases(model, [s for s, _ in blocks])
     codegen = expert_codegen([s for s, _ in blocks], opts.mxfp8, codegen, opts.codegen)
     if spec.cp > 1:
         for s, _ in blocks:
@@ -125,7 +130,8 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if schedule is not None:
         from .passes.split_stages import plan_split
 
-        split = plan_split(model, [s for s, _ in blocks], schedule.pp * schedule.stages_per_rank, opts.pp_split)
+        split = plan_split(model, [s for s, _ in blocks], schedule.pp * schedule.stages_per_rank, opts.pp_split,
+                           phases)
         local = {groups.pp_rank + k * spec.pp for k in range(schedule.stages_per_rank)}
         program.owned = {n for n, st in split.owner.items() if st in local} | {n for n, _ in model.named_buffers()}
     ddp = _reducer(model, program, groups) if groups is not None else None

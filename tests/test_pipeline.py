@@ -16,7 +16,7 @@ import torch
 
 from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import IRError, MeshError, OptionError, RuntimeFault, UnsupportedFeatureError
-from moe_compile.passes.split_stages import plan_split
+from moe_compile.passes.split_stages import outside_phases, plan_split
 
 from .common import build_model, cli_train, grads_of, make_batches, metric_rows, rel_err
 from .harness import run_ranks
@@ -569,28 +569,22 @@ def test_pipeline_with_context_parallelism():
             assert abs(a - b) <= TOL * abs(b), (rank, r)
 
 
-def per_layer_input_worker(rank: int, world: int) -> str:
-    from moe_compile.models.hf import tiny_family_model
-
-    model = tiny_family_model("gemma4_text", seed=0)
-    b = make_batches(1, 4, 16, seed=3)[0]
-    try:
-        cm = moe_compile(model, MeshSpec.parse("pp=2").resolve(world), microbatches=2)
-        cm.train_step(input_ids=b, labels=b)
-        return "no error"
-    except UnsupportedFeatureError as e:
-        return str(e)
-
-
 def test_a_layer_that_is_the_moe_block_and_per_layer_inputs_from_later_modules():
     """Gemma 4: each decoder layer is itself the MoE block (router and experts are its children), which the
     layer-list search skipped ("not inside an nn.ModuleList of layers"); the layers read per-layer inputs
-    made by modules registered after them (so owned by the last stage), refused by name."""
+    made by modules registered after them but run before the first layer, so the probe forward places
+    them on the first stage (by registration they went to the last, and stage 0 read a later stage's
+    value). pp=2 then matches the dense model."""
     from moe_compile.models.hf import tiny_family_model
 
     model = tiny_family_model("gemma4_text", seed=0)
     assert [s.path for s in _blocks(model)] == ["model.layers.0", "model.layers.1"]
-    assert plan_split(model, _blocks(model), 2).layer_stage == (0, 1)
-    for msg in run_ranks(per_layer_input_worker, 2):
-        assert "model.layers.0 (stage 0) reads per_layer_input" in msg, msg
-        assert "model.embed_tokens_per_layer.weight" in msg and "use pp=1" in msg, msg
+    split = plan_split(model, _blocks(model), 2, phases=outside_phases(model, _blocks(model)))
+    assert split.layer_stage == (0, 1) and split.by_first_run
+    assert split.owner["model.embed_tokens_per_layer.weight"] == 0
+    assert split.owner["model.per_layer_model_projection.weight"] == 0
+    assert split.owner["model.norm.weight"] == 1 and split.owner["model.embed_tokens.weight"] == 0
+    by_registration = plan_split(model, _blocks(model), 2)
+    assert by_registration.owner["model.embed_tokens_per_layer.weight"] == 1
+    check(run_ranks(pipeline_worker, 2, [{"mesh": "pp=2", "model": "family:gemma4_text", "m": 2,
+                                          "schedule": "1f1b"}]))

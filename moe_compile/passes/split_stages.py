@@ -9,8 +9,9 @@ Glossary: P / PP (stages), B / m (microbatches), P_local. The split has two halv
                   the LM head) counts on the last stage
         default = contiguous layer ranges minimising the most expensive stage (exact, by dynamic
                   programming); ``pp_split`` (module paths of each later stage's first layer) overrides
-        owner   = every parameter's stage: its layer's, or 0 / S−1 for modules registered before /
-                  after the layers (embeddings first, norm and head last)
+        owner   = every parameter's stage: its layer's, or 0 / S−1 for modules outside the layers that
+                  first run before / after them (embeddings first, norm and head last; see call_order),
+                  by registration order before / after the layers where the probe forward cannot run
 
     split_graph(gm, split, names, batch)        captured graph → one GraphModule per stage
         stage(node) = its decoder layer's stage (nn_module_stack), a parameter's owner stage, else the
@@ -22,7 +23,7 @@ Glossary: P / PP (stages), B / m (microbatches), P_local. The split has two halv
         stage s     = (boundary s activations, batch inputs by name) → boundary s+1 | graph output
 
 A parameter used on another stage than its owner (tied input/output embeddings across stages, a
-model that uses a module out of registration order) is refused with the two stages named.
+module outside the layers used among them) is refused with the two stages named.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import IRError, MeshError, UnsupportedFeatureError
+from .call_order import first_run_phases
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class StageSplit:
     num_stages: int  # S = pp · v
     owner: dict[str, int] = field(default_factory=dict)  # parameter name → stage
     cost: tuple[float, ...] = ()  # per-stage cost the split balanced
+    by_first_run: bool = False  # parameters outside the layers placed by where they first run (else registration)
 
     def layers_of(self, stage: int) -> list[int]:
         return [i for i, s in enumerate(self.layer_stage) if s == stage]
@@ -105,8 +108,17 @@ def _balanced(costs: list[float], stages: int, tail: float) -> list[int]:
     return starts[::-1]
 
 
-def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[str] | None = None) -> StageSplit:
-    """Assign decoder layers and parameters to ``num_stages`` pipeline stages (see module docstring)."""
+def outside_phases(model: nn.Module, blocks: list) -> dict[str, str] | None:
+    """Where each module outside the decoder layers first runs (call_order): one probe forward, run
+    before the blocks are canonicalised (their canonical forward would dispatch across EP ranks)."""
+    path, layers = find_layer_list(model, [s.path for s in blocks])
+    return first_run_phases(model, path, len(layers))
+
+
+def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[str] | None = None,
+               phases: dict[str, str] | None = None) -> StageSplit:
+    """Assign decoder layers and parameters to ``num_stages`` pipeline stages (see module docstring);
+    ``phases``: :func:`outside_phases` (None: modules outside the layers placed by registration order)."""
     path, layers = find_layer_list(model, [s.path for s in blocks])
     n = len(layers)
     if n < num_stages:
@@ -120,12 +132,18 @@ def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[s
     costs = [_layer_cost(layers[i], f"{path}.{i}", routed) for i in range(n)]
     order = [name for name, _ in model.named_modules()]
     first = order.index(f"{path}.0")
-    last = order.index(f"{path}.{n - 1}")
     mod_pos = {name: i for i, name in enumerate(order)}
+
+    def outside_stage(mod: str) -> int:  # stage of a module outside the layers
+        where = (phases or {}).get(mod)
+        if where in ("before", "after"):
+            return 0 if where == "before" else num_stages - 1
+        return 0 if mod_pos.get(mod, 0) < first else num_stages - 1
+
     tail = 0.0
     for name, p in model.named_parameters():
         mod = name.rsplit(".", 1)[0] if "." in name else ""
-        if mod_pos.get(mod, 0) > last and not name.startswith(path + "."):
+        if not name.startswith(path + ".") and outside_stage(mod) == num_stages - 1:
             tail += p.numel()
     if pp_split is not None:
         starts = [0]
@@ -151,15 +169,14 @@ def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[s
         if m:
             st = layer_stage[int(m.group(1))]
         else:
-            mod = name.rsplit(".", 1)[0] if "." in name else ""
-            st = 0 if mod_pos.get(mod, 0) < first else num_stages - 1
+            st = outside_stage(name.rsplit(".", 1)[0] if "." in name else "")
         prev = where.setdefault(id(p), (name, st))
         if prev[1] != st:
             raise UnsupportedFeatureError(
                 f"parameters {prev[0]} and {name} are one tensor (tied weights) but belong to pipeline stages "
                 f"{prev[1]} and {st}; untie them (e.g. config.tie_word_embeddings=False) or use pp=1")
         owner.setdefault(name, st)
-    return StageSplit(path, tuple(layer_stage), num_stages, owner, tuple(stage_cost))
+    return StageSplit(path, tuple(layer_stage), num_stages, owner, tuple(stage_cost), phases is not None)
 
 
 # -- the graph half ---------------------------------------------------------------------------------
@@ -222,12 +239,14 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
             if s is not None and s > ls:
                 src = max((a for a in n.all_input_nodes if stage[a] is not None), key=lambda a: stage[a])
                 later = _params_behind(src, stage, param_of, kind)
+                rule = "first run" if split.by_first_run else "are registered"
                 raise UnsupportedFeatureError(
                     f"pipeline parallelism: {split.layers_path}.{layer} (stage {ls}) reads {src.name}, which is "
                     f"computed from parameters of the later stage {stage[src]} ({later[:3]}; parameters outside "
-                    "the decoder layers go to the first stage when their modules are registered before the layers, "
-                    "else to the last); a model that feeds its layers values made from such modules cannot be cut "
-                    "into stages here: use pp=1")
+                    f"the decoder layers go to the first stage when their modules {rule} before the layers, else to "
+                    f"the last{'' if split.by_first_run else '; the probe forward on input_ids alone could not run'}"
+                    "); a model that feeds its layers values made from such modules cannot be cut into stages "
+                    "here: use pp=1")
             s = ls
         stage[n] = s
     _place_effects(nodes, effects, stage)

@@ -125,7 +125,11 @@ class StageModule(nn.Module):
             raise OptionError(f"pipeline stage {self.stage} needs batch input(s) {missing} (every rank of a "
                               "pipeline passes the same batch)")
         out = self._compiled(*acts, **{k: batch[k] for k in self.batch_names})
-        return out
+        # boundary values travel contiguous, as the stages declare them: a view (one layer's slice of
+        # Gemma 4's per-layer inputs) keeps its base's strides, which the schedule's metadata check refuses
+        if isinstance(out, tuple):
+            return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in out)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
 
 
 def _empty_like_val(v: torch.Tensor, device: torch.device) -> torch.Tensor:
