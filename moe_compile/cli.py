@@ -104,6 +104,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         print(f"--ranks {args.ranks}: need at least one rank", file=sys.stderr)
         return 2
+    try:  # before any rank starts: every rank would print the same MeshError's traceback
+        (MeshSpec.parse(cfg.mesh) if cfg.mesh else MeshSpec()).resolve(args.ranks)
+    except MoECompileError as e:
+        print(f"moe-compile train: {e}", file=sys.stderr)
+        return 2
     from .runtime.launcher import RankFailure, spawn_ranks
 
     try:
