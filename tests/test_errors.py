@@ -385,6 +385,35 @@ def test_out_of_vocabulary_ids_and_labels_are_named_and_the_next_step_is_clean(n
     assert max(rel_err(got[k], want[k]) for k in want) <= 1e-5
 
 
+@pytest.mark.parametrize("fusion", ["none", "inductor"])
+def test_a_lookup_past_a_position_table_is_named_and_the_next_step_is_clean(fusion):
+    """A sequence longer than the tiny LM's learned position table (max_seq_len), or position_ids past it:
+    the plain graph's IndexError named no table, and with dense_fusion="inductor" the kernel's C++
+    exception aborted the process. Each embedding lookup now checks its indices (passes/index_bounds.py),
+    and the next step equals the dense model's."""
+    from .common import grads_of, rel_err
+
+    model = build_model("tiny", max_seq_len=24)
+    dense = copy.deepcopy(model)
+    cm = moe_compile(model, dense_fusion=fusion)
+    ids = make_batches(1)[0]  # 2 × 16
+    cm(input_ids=ids, labels=ids).loss.backward()
+    cm.zero_grad(set_to_none=True)
+    long = make_batches(1, seq=30, seed=1)[0]
+    with pytest.raises(OptionError, match=r"the embedding pos.weight has 24 rows, but this batch looks up row 29"):
+        cm(input_ids=long, labels=long)
+    with pytest.raises(OptionError, match=r"the embedding pos.weight has 24 rows, but this batch looks up row 40"):
+        cm(input_ids=ids, labels=ids, position_ids=torch.arange(25, 41).expand_as(ids))
+    loss = cm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref = dense(input_ids=ids, labels=ids).loss
+    ref.backward()
+    assert rel_err(loss.detach(), ref.detach()) <= 1e-5
+    got, want = cm.full_grads(), grads_of(dense)
+    assert max(rel_err(got[k], want[k]) for k in want) <= 1e-5
+    cm.close()
+
+
 def ragged_batch_worker(rank, world, transport):
     """ep_mp=2: rank 0 passes 1 sequence, rank 1 four (each sizes its receive buffers from its own row
     count). Both ranks raise a moe_compile error (the all_to_all transport aborted the process in gloo
