@@ -477,3 +477,10 @@ def test_inputs_that_are_not_token_ids_are_named():
     loss = cm(input_ids=ids, labels=ids).loss
     assert rel_err(loss.detach(), ref(input_ids=ids, labels=ids).loss.detach()) <= 1e-5
     cm.close()
+
+
+def test_float64_experts_are_named():
+    """fp64 expert weights: the probe's canonical form failed inside torch._grouped_mm and the error blamed
+    the router's interface; it now names the dtype and the fix."""
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.0.mlp: expert weights in torch.float64; .*model.float\(\)"):
+        moe_compile(build_model("tiny").double())

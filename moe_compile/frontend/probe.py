@@ -30,6 +30,7 @@ from .router_input import custom_backward
 from .spec import MoEBlockSpec, RouterSpec
 
 PROBE_TOKENS = 48
+EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROBE_LOGIT_STD = 2.0  # spread of the router logits on the probe batch
 
 
@@ -274,6 +275,10 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
     w_in, _ = c.full_weights()
     if w_in.is_meta:
         return spec_for(variants[0], options()[0], c.lb_coef > 0 or c.z_coef > 0, checked=False)
+    if w_in.dtype not in EXPERT_DTYPES:  # the canonical form's grouped GEMMs would fail on the probe batch
+        raise UnsupportedFeatureError(
+            f"{c.path}: expert weights in {w_in.dtype}; the grouped expert GEMMs (torch._grouped_mm) take "
+            f"{', '.join(str(d) for d in EXPERT_DTYPES)}: cast the model first (e.g. model.float())")
     block = c.block
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
