@@ -71,11 +71,14 @@ def test_saved_activations_strictly_decrease(runs):
     assert all(runs[m]["N_recomputed"] > 0 for m in ("selective", "moe", "full")), runs
 
 
-def test_transport_ops_never_recomputed(runs):
-    """A recomputed collective would run on some ranks only; leases are planned on the joint graph."""
+def test_transport_ops_and_the_routing_never_recomputed(runs):
+    """A recomputed collective would run on some ranks only; leases are planned on the joint graph. The
+    router is saved too: recomputed from recomputed inputs (which backward's kernels may round otherwise:
+    bf16 with inductor and "full" flipped 1-3 of 128 tokens' top-k), backward differentiated another
+    routing than forward ran."""
     for mode in MODES:
         ops = runs[str(mode)]["recomputed_ops"]
-        assert not {"dispatch", "combine", "local_layout"} & set(ops), (mode, ops)
+        assert not {"dispatch", "combine", "local_layout", "router"} & set(ops), (mode, ops)
 
 
 @pytest.mark.parametrize("mode", MODES)

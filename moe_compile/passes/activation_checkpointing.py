@@ -7,7 +7,7 @@ to mimic the autograd engine). Tags are torch.utils.checkpoint's CheckpointPolic
 
     mode        recompute (PREFER_RECOMPUTE)                         save (MUST_SAVE)
     None        nothing (default_partition, as before)               every value backward reads
-    selective   elementwise / view / reduction ops, the router,      GEMM outputs (mm, attention,
+    selective   elementwise / view / reduction ops,                  GEMM outputs (mm, attention,
                 permute / unpermute                                  grouped expert FFN)
     moe         every op inside an MoE block where legal             untagged: min-cut decides
     full        every op inside a decoder layer where legal          each decoder layer's outputs
@@ -16,6 +16,10 @@ to mimic the autograd engine). Tags are torch.utils.checkpoint's CheckpointPolic
     every mode  —                                                    NEVER_RECOMPUTE below
 
     NEVER_RECOMPUTE (always MUST_SAVE, whatever the mode):
+      * moe::router, the routing decision ([T, K] indices and weights, [T, N] scores): its input is
+        recomputed in backward by other kernels than in forward (inductor fuses a backward recompute
+        differently), which may round otherwise (bf16: logits 8e-3 apart) and flip a near tie in top-k,
+        so backward would differentiate another routing than forward ran (measured: 1–3 of 128 tokens)
       * transport and other moe:: ops outside PURE_LOCAL: dispatch / combine are collectives; one
         recomputed on some ranks only deadlocks the others, and each one re-writes symmetric payloads the
         lease plan placed at their joint-graph position (passes/plan_leases.py); recomputing a
@@ -89,6 +93,8 @@ def _is_random(n: fx.Node) -> bool:
 
 def _never_recompute(n: fx.Node) -> str | None:
     name = op_name(n.target)
+    if name == "router":
+        return "moe::router: the routing is saved (recomputed from recomputed inputs it may pick other experts)"
     if name is not None:
         return None if name in PURE_LOCAL else f"moe::{name} communicates or holds state"
     ns = str(getattr(n.target, "namespace", ""))
