@@ -138,7 +138,7 @@ def test_a_block_parameter_the_compiled_form_does_not_read_is_refused():
     block = _LayerScaled(TinyMoEConfig(vocab_size=256))
     block.load_state_dict(model.layers[0].mlp.state_dict(), strict=False)
     model.layers[0].mlp = block
-    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: parameters \['out_scale'\] are outside"):
+    with pytest.raises(UnsupportedFeatureError, match=r"layers\.0\.mlp: not read by the block's compiled form: parameter out_scale \("):
         moe_compile(model)
 
 
@@ -484,3 +484,47 @@ def test_float64_experts_are_named():
     the router's interface; it now names the dtype and the fix."""
     with pytest.raises(UnsupportedFeatureError, match=r"layers.0.mlp: expert weights in torch.float64; .*model.float\(\)"):
         moe_compile(build_model("tiny").double())
+
+
+def _count_load(block: nn.Module) -> None:
+    """The tiny LM's MoE block plus a per-expert load counter its forward updates (aux-loss-free balancing
+    bookkeeping): the compiled form would never update it."""
+    base = type(block)
+
+    class LoadCounting(base):
+        def forward(self, hidden):
+            out = base.forward(self, hidden)
+            with torch.no_grad():
+                idx = self.router(hidden.reshape(-1, hidden.shape[-1])).topk(self.top_k, -1).indices
+                self.expert_load += torch.bincount(idx.flatten(), minlength=self.expert_load.numel()).float()
+            return out
+
+    block.__class__ = LoadCounting
+    block.register_buffer("expert_load", torch.zeros(block.router.weight.shape[0]))
+
+
+def test_state_outside_what_the_compiled_block_reads_is_refused():
+    """A router parameter the canonical router does not read (a learnable temperature), a block buffer
+    (a load counter the forward updates), one expert pool shared by two blocks and one block used at two
+    layers were accepted and then silently dropped, left unupdated or untied (gradients off by 0.83); each
+    is now refused by name. The probe ran the block's own forward on random data and left its updates in
+    the counter: the model's buffers come back as they were."""
+    model = build_model("tiny")
+    model.layers[0].mlp.router.temperature = nn.Parameter(torch.ones(()))
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.0.mlp: not read by the block's compiled form: "
+                                                      r"parameter router.temperature"):
+        moe_compile(model)
+    model = build_model("tiny")
+    _count_load(model.layers[1].mlp)
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.1.mlp: not read .*buffer expert_load"):
+        moe_compile(model)
+    assert not model.layers[1].mlp.expert_load.any()  # the probe's updates were undone
+    model = build_model("tiny")
+    model.layers[1].mlp.experts = model.layers[0].mlp.experts
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.1.mlp: its experts module is also layers.0.mlp's"):
+        moe_compile(model)
+    model = build_model("tiny")
+    model.layers[1].mlp = model.layers[0].mlp
+    with pytest.raises(UnsupportedFeatureError, match=r"the same MoE block module is used at \['layers.0.mlp', "
+                                                      r"'layers.1.mlp'\]"):
+        moe_compile(model)

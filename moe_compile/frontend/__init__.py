@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedFeatureError
@@ -32,26 +33,82 @@ __all__ = [
 def recognize(model: nn.Module) -> list[tuple[MoEBlockSpec, Candidate]]:
     """Find, read and probe every MoE block. Raises RecognitionError naming the block on failure."""
     out, probe_weights = [], {}
-    for i, c in enumerate(find_candidates(model)):
-        spec = replace(settle(c, probe_weights), index=i)
+    candidates = find_candidates(model)
+    _check_distinct(model, candidates)
+    for i, c in enumerate(candidates):
+        kept = {n: b.detach().clone() for n, b in c.block.named_buffers()}
+        try:
+            spec = replace(settle(c, probe_weights), index=i)
+        finally:  # the probe runs the block's own forward: state it updates there (load counters) comes back
+            with torch.no_grad():
+                for n, b in c.block.named_buffers():
+                    if n in kept:
+                        b.copy_(kept[n])
         _check_block_reads_all(c.block, spec)
         out.append((spec, c))
     return out
 
 
+def _check_distinct(model: nn.Module, candidates: list[Candidate]) -> None:
+    """One block module reached under two paths (used at two layers), or one experts module held by two
+    blocks (a shared expert pool): each block's canonical form takes its own copy of the expert weights,
+    so the tie would be cut silently (each place trained apart), and a block used twice would be
+    captured twice under one name. (A router or shared expert used by two blocks is fine: the canonical
+    forms read those modules themselves.)"""
+    for c in candidates:
+        paths = [n for n, m in model.named_modules(remove_duplicate=False) if m is c.block]
+        if len(paths) > 1:
+            raise UnsupportedFeatureError(
+                f"{c.path}: the same MoE block module is used at {paths} (shared weights); not supported: give "
+                "each layer its own block")
+    seen: dict[int, str] = {}
+    for c in candidates:
+        experts = getattr(c.block, c.experts_attr, None)
+        if experts is not None and seen.setdefault(id(experts), c.path) != c.path:
+            raise UnsupportedFeatureError(
+                f"{c.path}: its experts module is also {seen[id(experts)]}'s (one expert pool shared by two MoE "
+                "blocks); not supported: each block's compiled form holds its own copy of the expert weights, "
+                "so the tie would be cut — give each block its own experts")
+
+
+def _router_reads(spec: MoEBlockSpec) -> tuple[set[str], set[str]] | None:
+    """Names (exact, and prefixes of child modules) relative to the router module that the canonical form
+    reads; None when the router's own forward runs (it reads everything it holds)."""
+    r = spec.router
+    if r.logits_from_forward:
+        return None
+    exact = {a for a in (r.weight_attr, r.logit_bias_attr, r.input_scale_attr, r.expert_scale_attr,
+                         r.weight_scale_attr) if a}
+    if r.bias_in_router and spec.router_attr and r.bias_attr.startswith(spec.router_attr + "."):
+        exact.add(r.bias_attr[len(spec.router_attr) + 1:])
+    return exact, {a for a in (r.input_norm_attr,) if a}
+
+
 def _check_block_reads_all(block: nn.Module, spec: MoEBlockSpec) -> None:
-    """In "block" mode the compiled forward replaces the block's own and reads only its router, experts,
-    shared expert and gate: a parameter elsewhere in the block would be dropped, and the probe cannot
-    always see it (a scale initialised to ones, a branch whose output starts at zero)."""
-    if spec.mode != "block":
-        return
-    read = [a for a in (spec.router_attr, spec.experts_attr, spec.shared_attr, spec.shared_gate_attr) if a]
-    extra = [n for n, _ in block.named_parameters()
-             if n != spec.router.bias_attr and not any(n == a or n.startswith(a + ".") for a in read)]
+    """The compiled forward reads the router's weight (and the attributes its spec names), the experts, the
+    shared expert and its gate: a parameter or buffer elsewhere in the block or its router would be
+    dropped or left unupdated, and the probe cannot always see it (a scale initialised to ones, a branch
+    whose output starts at zero, a bias that is zero when compiling, a counter the forward updates). In
+    "block" mode the block's own forward is replaced whole; in "components" mode its router's is."""
+    def named(mod: nn.Module) -> list[tuple[str, str]]:
+        return [(n, "parameter") for n, _ in mod.named_parameters()] + [(n, "buffer") for n, _ in mod.named_buffers()]
+
+    extra = []
+    router = getattr(block, spec.router_attr, None) if spec.router_attr else None
+    reads = _router_reads(spec) if router is not None else None
+    if reads is not None:
+        exact, prefixes = reads
+        extra += [(f"{spec.router_attr}.{n}", k) for n, k in named(router)
+                  if n not in exact and not any(n.startswith(p + ".") for p in prefixes)]
+    if spec.mode == "block":
+        read = [a for a in (spec.router_attr, spec.experts_attr, spec.shared_attr, spec.shared_gate_attr) if a]
+        extra += [(n, k) for n, k in named(block)
+                  if n != spec.router.bias_attr and not any(n == a or n.startswith(a + ".") for a in read)]
     if extra:
         raise UnsupportedFeatureError(
-            f"{spec.path}: parameters {extra} are outside the block's router, experts and shared expert; its compiled "
-            "form would not use them (not supported)")
+            f"{spec.path}: not read by the block's compiled form: {', '.join(f'{k} {n}' for n, k in extra)} (it reads "
+            "the router's weight and the routing attributes it recognised, the experts and the shared expert), so "
+            "it would be dropped, or a value the forward updates left unupdated; not supported")
 
 
 def canonicalize(blocks: list[tuple[MoEBlockSpec, Candidate]], ep_size: int, ep_rank: int, ctx: int) -> None:

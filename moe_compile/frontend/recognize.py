@@ -134,11 +134,13 @@ def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str 
                                       "(sigmoid scores only)")
     _, rn = first_attr(mods, RENORM_ATTRS)
     bias_attr = None
-    for m, prefix in ((block, ""), (router, f"{router_attr}.")):
+    holders = [(block, ""), (router, f"{router_attr}.")]
+    holders += [(m, f"{router_attr}.{c}.") for c, m in router.named_children()]  # Ernie 4.5: gate.moe_statics
+    for m, prefix in holders:
         for b in BIAS_ATTRS:
             t = getattr(m, b, None)
             if isinstance(t, torch.Tensor):
-                if t.shape != (n + zero_null,):
+                if t.shape not in ((n + zero_null,), (1, n + zero_null)):  # [1, N]: one expert group (Ernie 4.5)
                     raise UnsupportedFeatureError(f"{where}: score-correction bias {prefix}{b} has shape {tuple(t.shape)}, "
                                                   f"not [{n + zero_null}]")
                 bias_attr = prefix + b
