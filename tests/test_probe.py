@@ -177,3 +177,27 @@ def test_a_gate_up_order_the_compiler_lacks_is_refused():
         layer.mlp.experts = _UpFirstExperts(ex.num_experts, ex.hidden_dim, 64)
     with pytest.raises(RecognitionError, match=r"model\.layers\.0\.mlp: .*no supported routing reproduces its output"):
         moe_compile(model)
+
+
+def test_ernie_score_correction_bias_one_module_down():
+    """Ernie 4.5 keeps its selection bias in gate.moe_statics ([1, N]); it was not found, so a model with a
+    non-zero bias (any pretrained one) was refused by the probe. Now read: matches the dense model."""
+    from moe_compile.models.hf import tiny_family_model
+
+    model = tiny_family_model("ernie4_5_moe", seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("moe_statics.e_score_correction_bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    ref = copy.deepcopy(model)
+    ids = make_batches(1, seed=2)[0]
+    cm = moe_compile(model)
+    assert all(s.router.bias_attr == "gate.moe_statics.e_score_correction_bias" for s in cm.blocks.values())
+    loss = cm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert rel_err(loss.detach(), want.detach()) <= 1e-5
+    got, ref_grads = cm.full_grads(), grads_of(ref)
+    assert max(rel_err(got[k], ref_grads[k]) for k in ref_grads) <= 1e-5
+    cm.close()
