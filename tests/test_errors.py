@@ -528,3 +528,26 @@ def test_state_outside_what_the_compiled_block_reads_is_refused():
     with pytest.raises(UnsupportedFeatureError, match=r"the same MoE block module is used at \['layers.0.mlp', "
                                                       r"'layers.1.mlp'\]"):
         moe_compile(model)
+
+
+def test_dropout_inside_a_block_is_refused():
+    """A block with dropout on its expert output was refused as "no supported routing reproduces its
+    output" when compiled in training mode, and silently lost its dropout when compiled in eval mode and
+    trained after; the probe now runs the block twice in training mode, whatever the model's mode, and
+    names the cause."""
+    for train in (True, False):
+        model = build_model("tiny")
+        block = model.layers[0].mlp
+        base = type(block)
+
+        class Dropped(base):
+            def forward(self, hidden):
+                out, aux = super().forward(hidden)
+                return torch.nn.functional.dropout(out, 0.1, self.training), aux
+
+        block.__class__ = Dropped
+        model.train(train)
+        with pytest.raises(UnsupportedFeatureError, match=r"layers.0.mlp: the block's forward is random in "
+                                                          r"training mode .*dropout or router noise"):
+            moe_compile(model)
+        assert model.training == train

@@ -240,6 +240,32 @@ def _router_returns_logits_only(c: Candidate, x: torch.Tensor) -> bool:
         return False
 
 
+def _refuse_random(c: Candidate, probe, x: torch.Tensor) -> None:
+    """The block's own forward in training mode, twice on the same batch under other RNG seeds: outputs
+    that differ mean dropout or router noise, which the canonical form does not reproduce. Checked in
+    training mode whatever mode the model is in now (a model compiled in eval mode is trained later)."""
+    block, was = c.block, c.block.training
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    try:
+        block.train()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(11)
+            a = _split(probe(x), c.path)[0]
+            torch.manual_seed(12)
+            b = _split(probe(x), c.path)[0]
+    except MoECompileError:
+        raise
+    except Exception:  # noqa: BLE001 - a forward that fails here fails the probe below with its own message
+        return
+    finally:
+        block.train(was)
+    if not torch.equal(a, b):
+        raise UnsupportedFeatureError(
+            f"{c.path}: the block's forward is random in training mode (two runs on one batch differ by "
+            f"{(a.float() - b.float()).abs().max().item():.3g}): dropout or router noise (jitter) inside the MoE "
+            "block is not supported; set it to 0 (e.g. the expert dropout or router_jitter_noise of the config)")
+
+
 def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
     """Fix the routing semantics (and which reading of the experts applies) of a candidate by the
     probe, or from attributes alone on meta; the candidate keeps the expert reading that matched.
@@ -297,6 +323,7 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
             except RecognitionError:
                 raise own_fails from None
             probe = lambda inp: _pair(c, inp[0], outputs)[0]  # noqa: E731
+        _refuse_random(c, probe, x)
         if ref_aux is None and (c.lb_coef or c.z_coef):
             raise RecognitionError(
                 f"{c.path}: has auxiliary-loss coefficients (lb={c.lb_coef}, z={c.z_coef}) but its forward returns no "
