@@ -20,6 +20,16 @@ from .runtime import get_context, release_context
 from .train import MultiGroupDistributedDataParallel
 
 
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss of a forward's output for train_step: its ``.loss`` (a ModelOutput) or ``["loss"]``."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise OptionError(f"train_step: the model's forward returned {type(out).__name__}"
+                          f"{'' if loss is None else ' whose loss is not a scalar tensor'}; it needs an output with a "
+                          "scalar .loss (a ModelOutput, as transformers' models return) or a dict with 'loss'")
+    return loss
+
+
 class CompiledMoE(nn.Module):
     """An expert-parallel program built from a single-device MoE model.
 
@@ -135,7 +145,7 @@ class CompiledMoE(nn.Module):
             mb = {k: (v[j * b // m:(j + 1) * b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                   for k, v in batch.items()}
             with self.no_sync() if j < m - 1 else contextlib.nullcontext():
-                loss = self(**mb).loss
+                loss = _loss_of(self(**mb))
                 (loss * w[j].to(loss.dtype)).backward()
             part = weighted_loss(loss.detach().float(), w[j])
             total = part if total is None else total + part

@@ -551,3 +551,39 @@ def test_dropout_inside_a_block_is_refused():
                                                           r"training mode .*dropout or router noise"):
             moe_compile(model)
         assert model.training == train
+
+
+def test_a_block_taking_more_than_the_hidden_states_is_refused():
+    """forward(hidden, mask=None) with the layer passing a mask: the compiled form's forward took the
+    hidden states only, so the call failed inside dynamo ("failed to bind arguments"); now refused by
+    name when compiling (the mask would be ignored)."""
+    model = build_model("tiny")
+    block = model.layers[1].mlp
+
+    class Masked(type(block)):
+        def forward(self, hidden, mask=None):
+            out, aux = super().forward(hidden)
+            return (out if mask is None else out * mask.unsqueeze(-1)), aux
+
+    block.__class__ = Masked
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.1.mlp: the block's forward takes \['mask'\] besides"):
+        moe_compile(model)
+
+
+def test_train_step_names_a_forward_without_a_loss():
+    """A model returning (loss, logits): train_step raised AttributeError "'tuple' object has no attribute
+    'loss'"; it now says what output it needs."""
+    model = build_model("tiny")
+    forward = model.forward
+
+    def as_tuple(*a, **k):
+        out = forward(*a, **k)
+        return out.loss, out.logits
+
+    model.forward = as_tuple
+    cm = moe_compile(model)
+    ids = make_batches(1)[0]
+    with pytest.raises(OptionError, match=r"train_step: the model's forward returned tuple; it needs an output with "
+                                          r"a scalar .loss"):
+        cm.train_step(input_ids=ids, labels=ids)
+    cm.close()

@@ -142,8 +142,14 @@ def _experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.T
     return routed(self, self._moe_spec, self._moe_ctx, hidden, top_k_index, top_k_weights)
 
 
-def _block_forward(self: nn.Module, hidden: torch.Tensor):
+def _block_forward(self: nn.Module, hidden: torch.Tensor, *extra, **named):
     spec: MoEBlockSpec = self._moe_spec
+    given = [f"argument {i + 2}" for i, a in enumerate(extra) if a is not None]
+    given += [k for k, a in named.items() if a is not None]
+    if given:  # the canonical form reads the hidden states only: a mask or the like would be ignored
+        raise UnsupportedFeatureError(
+            f"{spec.path}: the block is called with {given} besides the hidden states; its compiled form reads "
+            "only the hidden states (an MoE block taking a mask or other inputs is not supported)")
     shape = hidden.shape
     x2 = hidden.reshape(-1, spec.experts.d_model)
     logits, weights, idx, *gammas = route(getattr(self, spec.router_attr), spec, x2, _bias(self, spec.router.bias_attr))

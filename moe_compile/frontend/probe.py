@@ -306,6 +306,13 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
             f"{c.path}: expert weights in {w_in.dtype}; the grouped expert GEMMs (torch._grouped_mm) take "
             f"{', '.join(str(d) for d in EXPERT_DTYPES)}: cast the model first (e.g. model.float())")
     block = c.block
+    if mode == "block":  # the canonical forward replaces the block's and reads only the hidden states
+        extra = [p.name for p in list(inspect.signature(block.forward).parameters.values())[1:]
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if extra:
+            raise UnsupportedFeatureError(
+                f"{c.path}: the block's forward takes {extra} besides the hidden states; its compiled form reads "
+                "only the hidden states (an MoE block taking a mask or other inputs is not supported)")
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
     with torch.no_grad(), _probe_router(c, gen), _probe_experts(c, gen, cache):
