@@ -206,7 +206,8 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
         cm = moe_compile(net, spec, capacity_factor=capacity_factor, **extra)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
         pipeline = None
-        with warnings.catch_warnings(), _differentiable_cross_entropy():
+        fused = _fused_attention() if spec.cp == 1 else contextlib.nullcontext()  # cp: its pass reads SDPA calls
+        with warnings.catch_warnings(), _differentiable_cross_entropy(), fused:
             # meta tensors: eager autograd kernels of some losses are missing; nothing numeric is used
             warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
             if pipelined:  # every stage compiled here, one forward and backward each (nothing sent)
@@ -235,6 +236,32 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
         if cm is not None:
             cm.close()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    """While explain captures: F.scaled_dot_product_attention on meta tensors as the fused kernel a rank
+    runs (aten::_scaled_dot_product_flash_attention_for_cpu; its meta kernel takes fewer K/V heads as they
+    are). On the meta device SDPA takes its math path, which saves the [B, H, S, S] attention
+    probabilities for backward, so M_saved and M_working grew with S² (2× the measured figures for the
+    tiny LM at S=256); the fused kernels on CPU and GPU (flash, efficient, cuDNN) save the output and the
+    log-sum-exp. Dropout keeps the original call."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not query.is_meta or dropout_p:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager

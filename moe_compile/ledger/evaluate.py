@@ -128,8 +128,9 @@ def _attention(captured: torch.fx.GraphModule | None) -> tuple[int, int, int, in
     """(L_attn, d_qk, d_v, S) from the scaled-dot-product-attention calls of the captured graph."""
     if captured is None:
         return None
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # explain traces this one on meta
     calls = [n for n in captured.graph.nodes if n.op == "call_function"
-             and n.target is torch.nn.functional.scaled_dot_product_attention]
+             and n.target in (torch.nn.functional.scaled_dot_product_attention, fused, fused.default)]
     if not calls:
         return None
     q, k, v = (calls[0].args[i].meta["val"] for i in range(3))
