@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -55,7 +53,7 @@ class MoEBackend:
     def compile(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         prog = self.program
         prog.compiles += 1
-        debug = Path(prog.options.debug_dir) if prog.options.debug_dir else None
+        debug = prog.debug_path()
         fake_mode = detect_fake_mode(example_inputs)
         normalize_capture(gm)
         set_stage(gm, Stage.DENSE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.fx as fx
 
@@ -38,3 +39,16 @@ class Program:
     @property
     def num_local(self) -> dict[str, int]:
         return {p: s.experts.num_experts // self.ep_size for p, s in self.blocks.items()}
+
+    def debug_path(self) -> Path | None:
+        """Where this rank dumps graphs and kernels (options.debug_dir): the directory itself in one
+        process, its ``rank<r>/`` subdirectory when several ranks share it (each rank's graphs differ:
+        its experts, its pipeline stage; written to one place they overwrote each other)."""
+        if not self.options.debug_dir:
+            return None
+        import torch.distributed as dist
+
+        root = Path(self.options.debug_dir)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return root / f"rank{dist.get_rank()}"
+        return root

@@ -250,3 +250,20 @@ def test_debug_pictures_without_dot_write_sources_and_warn_once(tmp_path, no_dot
     assert after.with_suffix(".py").exists() and "moe-dispatch" in after.with_suffix(".dot").read_text()
     assert not list((tmp_path / "dbg").glob("*.svg"))
     cm.close()
+
+
+def debug_dir_worker(rank: int, world: int, root: str) -> None:
+    cm = moe_compile(build_model("tiny"), MeshSpec.parse("ep_mp=2"), debug_dir=root)
+    ids = make_batches(world)[rank]
+    cm(input_ids=ids, labels=ids).loss.backward()
+    cm.close()
+
+
+def test_debug_dumps_of_several_ranks_go_to_their_own_subdirectories(tmp_path):
+    """Two ranks sharing one debug_dir wrote the same file names there, each overwriting the other's."""
+    from .harness import run_ranks
+
+    run_ranks(debug_dir_worker, 2, str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rank{r}" / "fwd_03_insert_dispatch_combine_after.py").exists(), sorted(tmp_path.iterdir())
+    assert not list(tmp_path.glob("*.py"))

@@ -157,5 +157,5 @@ def lower(gm: fx.GraphModule, ctx: PassContext, kind: str) -> fx.GraphModule:
         records = lower_to_triton(gm, ctx)
         prog.kernel_plans[kind] = records
         if prog.options.debug_dir:
-            dump_kernels(records, kind, prog.options.debug_dir)
+            dump_kernels(records, kind, str(prog.debug_path()))
     return gm
