@@ -201,3 +201,20 @@ def test_ernie_score_correction_bias_one_module_down():
     got, ref_grads = cm.full_grads(), grads_of(ref)
     assert max(rel_err(got[k], ref_grads[k]) for k in ref_grads) <= 1e-5
     cm.close()
+
+
+def test_an_fp32_router_in_a_bf16_model():
+    """A bf16 model whose routers stay fp32 (their input cast up): the canonical router called the fp32
+    Linear on bf16 rows (a dtype error, reported as "a router must ... be a Linear"), and the probe held
+    the fp32 router's gradient, computed from bf16 values, to fp32's tolerance."""
+    model = build_model("tiny").to(torch.bfloat16)
+    for layer in model.layers:
+        layer.mlp.router.float().register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
+    ref = copy.deepcopy(model)
+    ids = make_batches(1, seed=4)[0]
+    cm = moe_compile(model)
+    loss = cm(input_ids=ids, labels=ids).loss
+    want = ref(input_ids=ids, labels=ids).loss
+    assert abs(loss.item() - want.item()) <= 1e-2 * abs(want.item())
+    assert cm.model.layers[0].mlp.router.weight.dtype == torch.float32
+    cm.close()

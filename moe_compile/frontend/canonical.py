@@ -79,10 +79,13 @@ def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.T
         raise UnsupportedFeatureError(
             f"{spec.path}.{spec.router_attr}: a router network's logits come from its own forward, which its block "
             "must call (the block's forward calls router then experts); this block computes top-k itself")
+    # a router kept in another dtype than the model (fp32 in a bf16 model) reads its input in its own dtype,
+    # as the block's forward must have cast it (gate(x.float())) for the plain model to run at all
     if logits is None and spec.mode == "block" and isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward:
-        logits = router(x2)
+        logits = router(x2.to(router.weight.dtype))
     elif logits is None:  # the router's own weight, or the Linear one level down (router.gate, gate.wg, …)
-        logits = F.linear(router_input(router, r, x2), _bias(router, r.weight_attr), _bias(router, r.logit_bias_attr))
+        w = _bias(router, r.weight_attr)
+        logits = F.linear(router_input(router, r, x2).to(w.dtype), w, _bias(router, r.logit_bias_attr))
     if r.shared_scored:  # select among the routed N; renormalise and scale with the shared scores (dense)
         logits, shared_logits = logits[:, : r.num_experts], logits[:, r.num_experts:]
         raw, idx = torch.ops.moe.router(
