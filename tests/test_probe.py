@@ -218,3 +218,46 @@ def test_an_fp32_router_in_a_bf16_model():
     assert abs(loss.item() - want.item()) <= 1e-2 * abs(want.item())
     assert cm.model.layers[0].mlp.router.weight.dtype == torch.float32
     cm.close()
+
+
+class _TupleRouter(torch.nn.Module):
+    """A hand-written router returning (logits, renormalised top-k weights, indices)."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int) -> None:
+        super().__init__()
+        self.weight, self.top_k = torch.nn.Parameter(weight.detach().clone()), top_k
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        w, idx = logits.softmax(-1).topk(self.top_k, -1)
+        return logits, w / w.sum(-1, keepdim=True), idx
+
+
+def test_a_tuple_router_with_a_module_list_of_experts():
+    """Components mode replaced the experts module with one grouped op, which the block's own loop
+    indexes expert by expert ("'ExpertWeights' object is not subscriptable", reported as an unmodelled
+    router interface); an nn.ModuleList of experts now means block mode. Matches the dense model."""
+    model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
+    for layer in model.layers:
+        blk = layer.mlp
+        blk.router = _TupleRouter(blk.router.weight, blk.top_k)
+
+        class Looping(type(blk)):
+            def forward(self, hidden):
+                x = hidden.reshape(-1, hidden.shape[-1])
+                _, w, idx = self.router(x)
+                return self.expert_mix(x, idx, w).reshape(hidden.shape), x.new_zeros(())
+
+        blk.__class__ = Looping
+    ref = copy.deepcopy(model)
+    ids = make_batches(1, seed=6)[0]
+    cm = moe_compile(model)
+    assert {s.mode for s in cm.blocks.values()} == {"block"}
+    loss = cm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert rel_err(loss.detach(), want.detach()) <= 1e-5
+    got, ref_grads = cm.full_grads(), grads_of(ref)
+    assert max(rel_err(got[k], ref_grads[k]) for k in ref_grads) <= 1e-5
+    cm.close()

@@ -226,9 +226,12 @@ def _router_order(c: Candidate, out: object) -> tuple[str, ...]:
 
 def _experts_take_hidden_only(c: Candidate) -> bool:
     """The experts module's own forward takes the hidden states alone (Llama 4 runs every expert on
-    pre-weighted rows), so the block cannot call a canonical experts(x, idx, weights): "block" mode."""
+    pre-weighted rows), or there is none to call (an nn.ModuleList, which the block's forward indexes
+    expert by expert), so the block cannot call a canonical experts(x, idx, weights): "block" mode."""
     ex = getattr(c.block, c.experts_attr)
-    if type(ex).forward is nn.Module.forward or isinstance(ex, nn.ModuleList):
+    if isinstance(ex, nn.ModuleList):
+        return True
+    if type(ex).forward is nn.Module.forward:
         return False
     kinds = [p.kind for p in inspect.signature(ex.forward).parameters.values()
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
