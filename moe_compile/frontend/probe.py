@@ -173,7 +173,8 @@ def _reference(c: Candidate, x: torch.Tensor, mode: str):
         raise RecognitionError(
             f"{c.path}: the block's own forward fails on a probe batch of hidden states alone "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); a MoE block must compute "
-            f"forward(hidden_states) (blocks that also need token ids or other inputs are not supported)") from e
+            f"forward(hidden_states) on [batch, sequence, d] hidden states, as a decoder layer calls it (blocks that "
+            "also need token ids or other inputs, or take only flattened [tokens, d] rows, are not supported)") from e
     finally:
         router.__dict__.pop("forward", None)
         if saved is not None:
