@@ -587,3 +587,20 @@ def test_train_step_names_a_forward_without_a_loss():
                                           r"a scalar .loss"):
         cm.train_step(input_ids=ids, labels=ids)
     cm.close()
+
+
+def test_an_aux_loss_the_compiler_does_not_read_is_named():
+    """A block whose aux loss uses a coefficient it does not expose (here: three times its lb_coef) was
+    reported as "no supported routing reproduces its output", though the output matched."""
+    model = build_model("tiny")
+    block = model.layers[0].mlp
+
+    class Tripled(type(block)):
+        def forward(self, hidden):
+            out, aux = super().forward(hidden)
+            return out, 3 * aux
+
+    block.__class__ = Tripled
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.0.mlp: the compiled form reproduces the block's output "
+                                                      r"on a probe batch but not its auxiliary loss"):
+        moe_compile(model)

@@ -28,6 +28,7 @@ from .canonical import _bias, install, uninstall
 from .recognize import Candidate
 from .router_input import custom_backward
 from .spec import MoEBlockSpec, RouterSpec
+from .structure import LB_ATTRS, Z_ATTRS
 
 PROBE_TOKENS = 48
 EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -345,6 +346,7 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
         errors = []
         second_differs = None  # the output matched but the block's second output is not its router logits
         grad_differs = None  # the output matched but not the gradients
+        aux_differs = None  # the output matched but not the auxiliary loss
         router = getattr(block, c.router_attr)
         params = [t for t in (_bias(router, c.weight_attr), _bias(router, c.logit_bias_attr)) if t is not None and t.requires_grad]
         cot = torch.randn(ref.shape, generator=gen).to(ref.device)
@@ -373,6 +375,8 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
             if ok and ref_aux is not None:
                 ok, aerr = _close(aux, ref_aux)
                 err = max(err, aerr)
+                if not ok:
+                    aux_differs = aerr if aux_differs is None else min(aux_differs, aerr)
             if ok and ref_second is not None:
                 ok, serr = _close(raw[1], ref_second)
                 if not ok:
@@ -406,6 +410,12 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
             "weights or the router's input detached, a straight-through estimator"
             + (f", the custom autograd Function {fn} in its router" if fn else "") + "): not supported")
     err, best = min(errors, key=lambda e: e[0])
+    if aux_differs is not None:
+        raise UnsupportedFeatureError(
+            f"{c.path}: the compiled form reproduces the block's output on a probe batch but not its auxiliary loss "
+            f"(closest: relative error {aux_differs:.2e}; read: lb={c.lb_coef}, z={c.z_coef}); the block computes "
+            "its load-balancing / z loss with coefficients or a formula the compiler does not read (it reads the "
+            f"block's attributes {' / '.join(LB_ATTRS)} and {' / '.join(Z_ATTRS)}): not supported")
     if fn is not None:  # name the feature the probe could not reproduce
         raise UnsupportedFeatureError(
             f"{c.path}.{c.router_attr}: the router computes its weights through a custom autograd Function ({fn}) "
