@@ -64,6 +64,29 @@ def _forward_lines(cls) -> tuple[str, int, int] | None:
     return code.co_filename, code.co_firstlineno, max(lines, default=code.co_firstlineno)
 
 
+def _raised_while_tracing(e: BaseException) -> BaseException | None:
+    """A moe_compile error that code dynamo traced raised (a canonical forward refusing its arguments):
+    dynamo reports it as Unsupported caused by an Observed<Name>Error whose text is ``raised exception
+    Name("message")``, without the exception object; rebuilt here so the caller gets our error."""
+    import ast
+    import re
+
+    from . import errors
+
+    cause = e.__cause__
+    if cause is None or not type(cause).__name__.startswith("Observed") or not cause.args:
+        return None
+    m = re.fullmatch(r"raised exception (\w+)\((.*)\)", str(cause.args[0]), re.S)
+    cls = getattr(errors, m.group(1), None) if m else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.MoECompileError)):
+        return None
+    try:
+        message = ast.literal_eval(m.group(2))
+    except (ValueError, SyntaxError):
+        return None
+    return cls(message) if isinstance(message, str) else None
+
+
 def capture_error(e: BaseException, model: torch.nn.Module) -> BaseException | None:
     """The error to raise for a failed capture: a moe_compile error a pass raised inside the backend
     (dynamo wraps it in BackendCompilerFailed), or the UnsupportedFeatureError for data-dependent Python
@@ -76,6 +99,9 @@ def capture_error(e: BaseException, model: torch.nn.Module) -> BaseException | N
     inner = getattr(e, "inner_exception", None)
     if isinstance(e, BackendCompilerFailed) and isinstance(inner, MoECompileError):
         return inner  # a pass refused the graph (e.g. context parallelism's attention checks): its own error
+    raised = _raised_while_tracing(e)
+    if raised is not None:
+        return raised
     text = str(e)
     if not (isinstance(e, UserError) and "data-dependent" in text):
         return None

@@ -243,8 +243,8 @@ def _fused_attention():
     """While explain captures: F.scaled_dot_product_attention on meta tensors as the fused kernel a rank
     runs (aten::_scaled_dot_product_flash_attention_for_cpu; its meta kernel takes fewer K/V heads as they
     are). On the meta device SDPA takes its math path, which saves the [B, H, S, S] attention
-    probabilities for backward, so M_saved and M_working grew with S² (2× the measured figures for the
-    tiny LM at S=256); the fused kernels on CPU and GPU (flash, efficient, cuDNN) save the output and the
+    probabilities for backward, so M_saved and M_working grew with S² (1.7× the measured figures for the
+    tiny LM at S=256 on dp=2, ep_mp=2); the fused kernels on CPU and GPU (flash, efficient, cuDNN) save the output and the
     log-sum-exp. Dropout keeps the original call."""
     import torch.nn.functional as F
 

@@ -553,12 +553,8 @@ def test_dropout_inside_a_block_is_refused():
         assert model.training == train
 
 
-def test_a_block_taking_more_than_the_hidden_states_is_refused():
-    """forward(hidden, mask=None) with the layer passing a mask: the compiled form's forward took the
-    hidden states only, so the call failed inside dynamo ("failed to bind arguments"); now refused by
-    name when compiling (the mask would be ignored)."""
-    model = build_model("tiny")
-    block = model.layers[1].mlp
+def _masked(block: nn.Module) -> None:
+    """The tiny LM's MoE block with forward(hidden, mask=None): padded tokens get no expert output."""
 
     class Masked(type(block)):
         def forward(self, hidden, mask=None):
@@ -566,8 +562,48 @@ def test_a_block_taking_more_than_the_hidden_states_is_refused():
             return (out if mask is None else out * mask.unsqueeze(-1)), aux
 
     block.__class__ = Masked
+
+
+def test_a_block_taking_more_than_the_hidden_states():
+    """forward(hidden, mask) with a required mask is refused when compiling; with an optional one it
+    compiles (and matches the dense model) while no caller passes it, and a call that passes one is
+    refused by name (it failed inside dynamo, "failed to bind arguments"): the mask would be ignored."""
+    from .common import rel_err
+
+    model = build_model("tiny")
+    block = model.layers[1].mlp
+
+    class Required(type(block)):
+        def forward(self, hidden, mask):
+            return super().forward(hidden)
+
+    block.__class__ = Required
     with pytest.raises(UnsupportedFeatureError, match=r"layers.1.mlp: the block's forward takes \['mask'\] besides"):
         moe_compile(model)
+    model = build_model("tiny")
+    _masked(model.layers[1].mlp)
+    dense = copy.deepcopy(model)
+    ids = make_batches(1)[0]
+    cm = moe_compile(model)
+    assert rel_err(cm(input_ids=ids, labels=ids).loss.detach(), dense(input_ids=ids, labels=ids).loss.detach()) <= 1e-5
+    cm.close()
+    model = build_model("tiny")
+    _masked(model.layers[1].mlp)
+    layer = model.layers[1]
+    base = type(layer)
+
+    class MaskingLayer(base):
+        def forward(self, x):
+            x = x + self.attn(self.attn_norm(x))
+            m, aux = self.mlp(self.mlp_norm(x), torch.ones(x.shape[:-1], dtype=x.dtype))
+            return x + m, aux
+
+    layer.__class__ = MaskingLayer
+    cm = moe_compile(model)
+    with pytest.raises(UnsupportedFeatureError, match=r"layers.1.mlp: the block is called with \['argument 2'\] "
+                                                      r"besides the hidden states"):
+        cm(input_ids=ids, labels=ids)
+    cm.close()
 
 
 def test_train_step_names_a_forward_without_a_loss():
@@ -583,8 +619,8 @@ def test_train_step_names_a_forward_without_a_loss():
     model.forward = as_tuple
     cm = moe_compile(model)
     ids = make_batches(1)[0]
-    with pytest.raises(OptionError, match=r"train_step: the model's forward returned tuple; it needs an output with "
-                                          r"a scalar .loss"):
+    with pytest.raises(OptionError, match=r"train_step: the model's forward returned tuple with no .loss; it needs an "
+                                          r"output with a one-value .loss"):
         cm.train_step(input_ids=ids, labels=ids)
     cm.close()
 

@@ -62,8 +62,8 @@ def test_explain_tiny_for_a_32_rank_mesh(tmp_path, capsys):
 
 def test_explain_saved_activations_match_a_real_step(tmp_path):
     """On the meta device SDPA took its math path and saved the [B, H, S, S] attention probabilities, so
-    explain's M_saved and M_working grew with S² (1.7× the measured figures for dp=2, ep_mp=2 at S=256); it
-    now traces the fused kernel a rank runs. Against the ledger of a real one-rank step of the same shape
+    explain's M_saved and M_working grew with S² (1.7× the measured figures for dp=2, ep_mp=2 at S=256, 1.8×
+    here); it now traces the fused kernel a rank runs. Against the ledger of a real one-rank step of the same shape
     (M_working is not compared: that step has no process group, so its backward returns the gradients,
     where explain's fake group reduces them into buckets)."""
     from moe_compile import moe_compile
@@ -78,7 +78,7 @@ def test_explain_saved_activations_match_a_real_step(tmp_path):
     cm(input_ids=ids, labels=ids).loss.backward()
     real = cm.ledger()
     cm.close()
-    assert abs(planned["M_saved"] - real["M_saved"]) <= 0.01 * real["M_saved"], (planned["M_saved"], real["M_saved"])
+    assert abs(planned["M_saved"] - real["M_saved"]) <= 0.001 * real["M_saved"], (planned["M_saved"], real["M_saved"])
     assert planned["F_fwd_token"] == real["F_fwd_token"] > 0  # attention FLOPs still read from the fused calls
 
 

@@ -55,8 +55,11 @@ def _check_distinct(model: nn.Module, candidates: list[Candidate]) -> None:
     so the tie would be cut silently (each place trained apart), and a block used twice would be
     captured twice under one name. (A router or shared expert used by two blocks is fine: the canonical
     forms read those modules themselves.)"""
+    where: dict[int, list[str]] = {}  # every path of every module, in one walk
+    for n, m in model.named_modules(remove_duplicate=False):
+        where.setdefault(id(m), []).append(n)
     for c in candidates:
-        paths = [n for n, m in model.named_modules(remove_duplicate=False) if m is c.block]
+        paths = where.get(id(c.block), [])
         if len(paths) > 1:
             raise UnsupportedFeatureError(
                 f"{c.path}: the same MoE block module is used at {paths} (shared weights); not supported: give "

@@ -98,6 +98,8 @@ def _never_recompute(n: fx.Node) -> str | None:
     if name is not None:
         return None if name in PURE_LOCAL else f"moe::{name} communicates or holds state"
     ns = str(getattr(n.target, "namespace", ""))
+    if ns == "moe_check":
+        return "moe_check:: op (a check that raises; its copy is small)"
     if ns.startswith("moe") or ns in ("_c10d_functional", "c10d_functional", "_dtensor"):
         return f"{ns}:: op (collective)"
     if _is_random(n):

@@ -50,7 +50,7 @@ def first_run_phases(model: nn.Module, layers_path: str, n_layers: int) -> dict[
     p = next(model.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}  # each module's own (a frozen tower stays in eval)
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
         model.eval()
@@ -61,5 +61,6 @@ def first_run_phases(model: nn.Module, layers_path: str, n_layers: int) -> dict[
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
+        for m, t in modes.items():
+            m.training = t
     return seen

@@ -243,8 +243,10 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
                 raise UnsupportedFeatureError(
                     f"pipeline parallelism: {split.layers_path}.{layer} (stage {ls}) reads {src.name}, which is "
                     f"computed from parameters of the later stage {stage[src]} ({later[:3]}; parameters outside "
-                    f"the decoder layers go to the first stage when their modules {rule} before the layers, else to "
-                    f"the last{'' if split.by_first_run else '; the probe forward on input_ids alone could not run'}"
+                    f"the decoder layers go to the first stage when their modules {rule} before the layers, to the "
+                    "last when after them"
+                    f"{' (modules first run among the layers: by registration)' if split.by_first_run else ''}"
+                    f"{'' if split.by_first_run else '; the probe forward on input_ids alone could not run'}"
                     "); a model that feeds its layers values made from such modules cannot be cut into stages "
                     "here: use pp=1")
             s = ls
