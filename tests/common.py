@@ -94,6 +94,20 @@ def dense_reference(model: nn.Module, batches: list[torch.Tensor]) -> tuple[list
     return [x.item() for x in losses], grads_of(ref)
 
 
+def assert_step_matches_dense(cm: nn.Module, dense: nn.Module, ids: torch.Tensor, tol: float = 1e-5) -> None:
+    """One forward and backward of the compiled model and of its dense copy on ``ids``: loss and every
+    gradient within ``tol`` (relative to the largest element)."""
+    loss = cm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = dense(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert rel_err(loss.detach(), want.detach()) <= tol, (loss.item(), want.item())
+    got, ref = cm.full_grads(), grads_of(dense)
+    assert set(got) == set(ref)
+    worst = max(ref, key=lambda k: rel_err(got[k], ref[k]))
+    assert rel_err(got[worst], ref[worst]) <= tol, (worst, rel_err(got[worst], ref[worst]))
+
+
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gradients by name; a parameter no token reached (an idle expert) has a zero gradient."""
     return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}

@@ -13,7 +13,7 @@ from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import MeshError, OptionError, RecognitionError, UnsupportedFeatureError
 from moe_compile.models import MoEFeedForward, TinyMoEConfig
 
-from .common import build_model, make_batches, rel_err
+from .common import assert_step_matches_dense, build_model, make_batches, rel_err
 from .harness import run_ranks
 
 # -- meshes ----------------------------------------------------------------------------------------
@@ -356,10 +356,6 @@ def test_out_of_vocabulary_ids_and_labels_are_named_and_the_next_step_is_clean(n
     with dense_fusion="inductor" the kernel's C++ exception aborts the process). The forward refuses it
     first, naming the value and the vocabulary as the pipelined train_step does, for ids passed by
     keyword or position, and the next forward and backward still equal the dense model's."""
-    import copy
-
-    from .common import grads_of, rel_err
-
     model = build_model(name)
     dense = copy.deepcopy(model)
     cm = moe_compile(model, dense_fusion=fusion)
@@ -375,14 +371,7 @@ def test_out_of_vocabulary_ids_and_labels_are_named_and_the_next_step_is_clean(n
     with pytest.raises(OptionError, match=r"forward: labels hold 256, outside the model's vocabulary \[0, 256\) "
                                           r"\(and not the ignore index -100\)"):
         cm(input_ids=ids, labels=bad_labels)
-    loss = cm(input_ids=ids, labels=ids).loss
-    loss.backward()
-    ref = dense(input_ids=ids, labels=ids).loss
-    ref.backward()
-    assert rel_err(loss.detach(), ref.detach()) <= 1e-5
-    got, want = cm.full_grads(), grads_of(dense)
-    assert set(got) == set(want)
-    assert max(rel_err(got[k], want[k]) for k in want) <= 1e-5
+    assert_step_matches_dense(cm, dense, ids)
 
 
 @pytest.mark.parametrize("fusion", ["none", "inductor"])
@@ -391,7 +380,6 @@ def test_a_lookup_past_a_position_table_is_named_and_the_next_step_is_clean(fusi
     the plain graph's IndexError named no table, and with dense_fusion="inductor" the kernel's C++
     exception aborted the process. Each embedding lookup now checks its indices (passes/index_bounds.py),
     and the next step equals the dense model's."""
-    from .common import grads_of, rel_err
 
     model = build_model("tiny", max_seq_len=24)
     dense = copy.deepcopy(model)
@@ -404,13 +392,7 @@ def test_a_lookup_past_a_position_table_is_named_and_the_next_step_is_clean(fusi
         cm(input_ids=long, labels=long)
     with pytest.raises(OptionError, match=r"the embedding pos.weight has 24 rows, but this batch looks up row 40"):
         cm(input_ids=ids, labels=ids, position_ids=torch.arange(25, 41).expand_as(ids))
-    loss = cm(input_ids=ids, labels=ids).loss
-    loss.backward()
-    ref = dense(input_ids=ids, labels=ids).loss
-    ref.backward()
-    assert rel_err(loss.detach(), ref.detach()) <= 1e-5
-    got, want = cm.full_grads(), grads_of(dense)
-    assert max(rel_err(got[k], want[k]) for k in want) <= 1e-5
+    assert_step_matches_dense(cm, dense, ids)
     cm.close()
 
 
