@@ -40,8 +40,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
                    help="pipeline schedule for a mesh with pp>1 (torch.distributed.pipelining)")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
-                   help="recompute in backward: selective (elementwise ops and the router), moe (the MoE blocks), "
-                   "full (default: none)")
+                   help="recompute in backward: selective (elementwise ops), moe (the MoE blocks), full (default: "
+                   "none); the routing is saved in every mode")
     p.add_argument("--dense-fusion", choices=["auto", "inductor", "none"], default="auto",
                    help="compile the dense part of the graphs with inductor (auto: none on CPU, where the compile "
                    "pays back after some hundred steps; see README)")

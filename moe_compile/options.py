@@ -52,8 +52,9 @@ class CompileOptions:
     schedule: str = "1f1b"  # pipeline schedule (torch.distributed.pipelining): gpipe | 1f1b | interleaved_1f1b
     stages_per_rank: int | None = None  # v: pipeline stages per rank (None: 2 for interleaved_1f1b, else 1)
     pp_split: tuple[str, ...] | None = None  # first decoder layer of stages 1..S-1 (None: balance the cost)
-    activation_checkpointing: str | None = None  # recompute in backward: None | selective (elementwise ops,
-    #                     router; GEMM outputs kept) | moe (inside MoE blocks) | full (save layer outputs only)
+    activation_checkpointing: str | None = None  # recompute in backward: None | selective (elementwise ops;
+    #                     GEMM outputs kept) | moe (inside MoE blocks) | full (save layer outputs only); the
+    #                     router's routing is saved in every mode
 
     def __post_init__(self) -> None:
         cf = self.capacity_factor
