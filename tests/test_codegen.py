@@ -67,7 +67,7 @@ def codegen_worker(rank: int, world: int, debug_dir: str) -> dict:
             loss_ref, grads_ref = _step(ref, batches[rank])
         else:  # (one compile less: the dense model is the reference, as in the parity tests)
             loss_ref, grads_ref = dense_losses[rank], dense_grads
-        dbg = os.path.join(debug_dir, f"{mesh}-{rank}") if mesh == "ep_mp=2" else None
+        dbg = os.path.join(debug_dir, mesh) if mesh == "ep_mp=2" else None  # one dir: each rank dumps to rank<r>/
         cm = moe_compile(copy.deepcopy(model), spec, codegen="triton", debug_dir=dbg)
         loss, grads = _step(cm, batches[rank])
         graphs = cm.graphs()
@@ -81,7 +81,7 @@ def codegen_worker(rank: int, world: int, debug_dir: str) -> dict:
                               if n.op == "call_function" and op_name(n.target)}) for k in ("forward", "backward")},
             "kernels": {b: [(k["graph"], k["op"], k["name"], k["grid"]) for k in ks] for b, ks in kernels.items()},
             "torch_kernels": ref.kernels() if ref is not None else None,
-            "dumped": sorted(os.listdir(os.path.join(dbg, "kernels"))) if dbg else [],
+            "dumped": sorted(os.listdir(os.path.join(dbg, f"rank{rank}", "kernels"))) if dbg else [],
         }
         if ref is not None:
             ref.close()
