@@ -24,8 +24,10 @@ def _loss_of(out: Any) -> torch.Tensor:
     """The loss of a forward's output for train_step: its ``.loss`` (a ModelOutput) or ``["loss"]``."""
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = ("no loss (were labels passed?)" if loss is None and (isinstance(out, dict) or hasattr(out, "loss"))
-                else "a loss that is not one value" if loss is not None else "no .loss")
+        if loss is not None:
+            what = "a loss that is not one value"
+        else:
+            what = "no loss (were labels passed?)" if isinstance(out, dict) or hasattr(out, "loss") else "no .loss"
         raise OptionError(f"train_step: the model's forward returned {type(out).__name__} with {what}; it needs an "
                           "output with a one-value .loss (a ModelOutput, as transformers' models return) or a dict "
                           "with 'loss'")

@@ -254,17 +254,26 @@ def test_a_tuple_router_with_a_module_list_of_experts():
 def test_probes_restore_each_modules_own_mode():
     """The randomness probe (training mode) and the pipeline's call-order probe (eval mode) set the mode of
     the whole block or model; a submodule the user had put in another mode than its parent (a frozen part
-    in eval inside a training model) came back in its parent's mode."""
+    in eval inside a training model) came back in its parent's mode, and the call-order forward's update
+    of a buffer stayed."""
     from moe_compile.passes.call_order import first_run_phases
+
+    from .test_errors import _count_load
 
     model = build_model("tiny")
     model.train()
     model.layers[0].mlp.experts[1].eval()
     model.layers[1].attn.eval()
     modes = {n: m.training for n, m in model.named_modules()}
+    _count_load(model.layers[1].mlp)  # a buffer its forward updates: the call-order forward's update is undone
     phases = first_run_phases(model, "layers", len(model.layers))
     assert phases["embed"] == "before" and phases["lm_head"] == "after", phases
     assert {n: m.training for n, m in model.named_modules()} == modes
+    assert not model.layers[1].mlp.expert_load.any()
+    model = build_model("tiny")
+    model.train()
+    model.layers[0].mlp.experts[1].eval()
+    model.layers[1].attn.eval()
     moe_compile(model).close()
     after = {n: m.training for n, m in model.named_modules() if n in modes}  # experts are replaced: not kept
     assert after == {n: modes[n] for n in after} and not after["layers.1.attn"] and after["layers.0.attn"]

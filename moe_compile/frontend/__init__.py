@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedFeatureError
 from .canonical import ExpertWeights, expert_tensors, install, set_context
+from .kept_state import kept_state
 from .probe import settle
 from .recognize import Candidate, find_candidates, read_block, register_recognizer, unregister_recognizer
 from .spec import ExpertsSpec, MoEBlockSpec, ParamView, RouterSpec
@@ -36,14 +36,8 @@ def recognize(model: nn.Module) -> list[tuple[MoEBlockSpec, Candidate]]:
     candidates = find_candidates(model)
     _check_distinct(model, candidates)
     for i, c in enumerate(candidates):
-        kept = {n: b.detach().clone() for n, b in c.block.named_buffers()}
-        try:
+        with kept_state(c.block):  # the probe runs the block's own forward: what it updates there comes back
             spec = replace(settle(c, probe_weights), index=i)
-        finally:  # the probe runs the block's own forward: state it updates there (load counters) comes back
-            with torch.no_grad():
-                for n, b in c.block.named_buffers():
-                    if n in kept:
-                        b.copy_(kept[n])
         _check_block_reads_all(c.block, spec)
         out.append((spec, c))
     return out

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..errors import MoECompileError, RecognitionError, UnsupportedFeatureError
 from .canonical import _bias, install, uninstall
+from .kept_state import kept_state
 from .recognize import Candidate
 from .router_input import custom_backward
 from .spec import MoEBlockSpec, RouterSpec
@@ -250,13 +251,11 @@ def _refuse_random(c: Candidate, probe, x: torch.Tensor) -> None:
     another. Outputs that differ only with the seed mean dropout or router noise, which the canonical
     form does not reproduce. (Runs that differ under one seed are not random draws, e.g. a kernel that
     adds in another order each time: not judged here.) Checked in training mode whatever mode the model
-    is in now (a model compiled in eval mode is trained later); each module's mode comes back as it was."""
-    block = c.block
-    modes = {m: m.training for m in block.modules()}
+    is in now (a model compiled in eval mode is trained later); modes and buffers come back as they were."""
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     try:
-        block.train()
-        with torch.random.fork_rng(devices=devices):
+        with kept_state(c.block), torch.random.fork_rng(devices=devices):
+            c.block.train()
             outs = []
             for seed in (11, 11, 12):
                 torch.manual_seed(seed)
@@ -265,9 +264,6 @@ def _refuse_random(c: Candidate, probe, x: torch.Tensor) -> None:
         raise
     except Exception:  # noqa: BLE001 - a forward that fails here fails the probe below with its own message
         return
-    finally:
-        for m, t in modes.items():
-            m.training = t
     a, again, b = outs
     if torch.equal(a, again) and not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True):
         raise UnsupportedFeatureError(

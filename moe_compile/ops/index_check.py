@@ -14,7 +14,7 @@ def index_range(idx: torch.Tensor, rows: int, table: str) -> torch.Tensor:
     refusing any index outside [0, rows) — on CPU only: on a GPU the verdict would be a device→host sync
     per lookup, and torch's device-side assert fires there as it does in the plain model."""
     if idx.device.type == "cpu" and idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < 0 or hi >= rows:
             bad = lo if lo < 0 else hi
             raise OptionError(f"the embedding {table} has {rows} rows, but this batch looks up row {bad} (a "

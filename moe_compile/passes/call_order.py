@@ -6,7 +6,7 @@ models, not for all: Gemma 4 registers the modules that make its per-layer input
 (``embed_tokens_per_layer``, ``per_layer_model_projection``, ``per_layer_projection_norm``) after the
 layers but runs them before the first one, so by registration they went to the last stage and every
 earlier layer read a later stage's value. So with pp > 1, before anything is captured, the model runs
-one forward on a few tokens (eval mode, no grad, the RNG state restored afterwards) with a pre-hook on
+one forward on a few tokens (eval mode, no grad; RNG state, modes and buffers restored afterwards) with a pre-hook on
 each module outside the layers that holds parameters: a module first run before the first layer starts
 is "before", after the last layer returns "after", in between "between" (used among the layers: the
 split's own checks decide). A model whose forward does not take ``input_ids`` alone, or fails on the
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from ..frontend.kept_state import kept_state
 
 PROBE_TOKENS = 4
 
@@ -50,17 +52,14 @@ def first_run_phases(model: nn.Module, layers_path: str, n_layers: int) -> dict[
     p = next(model.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
-    modes = {m: m.training for m in model.modules()}  # each module's own (a frozen tower stays in eval)
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=forked):
+        with kept_state(model), torch.no_grad(), torch.random.fork_rng(devices=forked):
+            model.eval()
             model(input_ids=ids)
     except Exception:  # noqa: BLE001 - any failure: registration order decides, as before
         return None
     finally:
         for h in handles:
             h.remove()
-        for m, t in modes.items():
-            m.training = t
     return seen
