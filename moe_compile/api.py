@@ -17,6 +17,7 @@ from .codegen.triton_mode import resolve_codegen
 from .compiled import CompiledMoE
 from .errors import MeshError, OptionError, UnsupportedFeatureError
 from .frontend import canonicalize, recognize
+from .frontend.baked_attrs import baked_attrs
 from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
@@ -109,6 +110,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     ctx_id = register_context(RuntimeContext(transport, stats, leases=leases,
                                              cp_group=groups.cp if groups is not None else None))
     canonicalize(blocks, spec.ep_mp, ep_rank, ctx_id)
+    baked = baked_attrs([(s, c.block) for s, c in blocks])
     if spec.cp > 1 and spec.ep_mp > 1 and opts.capacity_factor is None:
         from .runtime.dropless import dropless_state
 
@@ -139,12 +141,12 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if split is not None:
         from .runtime.pipeline_runtime import PipelineRuntime
 
-        cm = CompiledMoE(model, program, groups, ddp, None)
+        cm = CompiledMoE(model, program, groups, ddp, None, baked)
         cm.pipeline = PipelineRuntime(cm, split, schedule)
         return cm
     compiled = compile_entry(_capture_entry(model), backend=MoEBackend(program), fullgraph=opts.fullgraph,
                              dynamic=False)
-    return CompiledMoE(model, program, groups, ddp, compiled)
+    return CompiledMoE(model, program, groups, ddp, compiled, baked)
 
 
 CP_LAYER_KINDS = ("full_attention", "attention", "moe")  # layer kinds context parallelism reproduces exactly

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .errors import OptionError, RuntimeFault
 from .frontend import MoEBlockSpec
+from .frontend.baked_attrs import BakedAttrs
 from .mesh import MeshGroups
 from .options import as_integer
 from .program import Program
@@ -42,7 +43,7 @@ class CompiledMoE(nn.Module):
     """
 
     def __init__(self, model: nn.Module, program: Program, groups: MeshGroups | None,
-                 ddp: MultiGroupDistributedDataParallel | None, compiled: Any) -> None:
+                 ddp: MultiGroupDistributedDataParallel | None, compiled: Any, baked: BakedAttrs | None = None) -> None:
         super().__init__()
         self.model = model
         self.program = program
@@ -51,6 +52,7 @@ class CompiledMoE(nn.Module):
         if ddp is not None:  # the compiled backward's reduction nodes reach it by context id
             ddp.attach(program.ctx_id, program.param_names)
         self._compiled = compiled
+        self.baked = baked or BakedAttrs()  # plain attributes the replaced code read when compiling
         self._expert_names = {
             name for spec in program.blocks.values() for name in spec.expert_param_names
         }
@@ -62,6 +64,9 @@ class CompiledMoE(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from .runtime.token_range import check_on_host
 
+        err = self.baked.changed("forward")
+        if err is not None:
+            raise err
         check_on_host(self.model, args, kwargs, "forward")
         return self._forward(args, kwargs)
 
@@ -123,6 +128,9 @@ class CompiledMoE(nn.Module):
             if as_integer(m) is None or m < 1:
                 raise OptionError(f"train_step(microbatches={microbatches!r}): must be an int >= 1")
             m = as_integer(m)
+            baked = self.baked.changed("train_step")
+            if baked is not None:
+                raise baked
             if batch.get("labels") is None and batch.get("shift_labels") is None:
                 raise OptionError("train_step needs labels=... (or shift_labels=...): the step's loss is the "
                                   "model's loss on them")

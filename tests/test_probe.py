@@ -277,3 +277,48 @@ def test_probes_restore_each_modules_own_mode():
     moe_compile(model).close()
     after = {n: m.training for n, m in model.named_modules() if n in modes}  # experts are replaced: not kept
     assert after == {n: modes[n] for n in after} and not after["layers.1.attn"] and after["layers.0.attn"]
+
+
+def test_an_attribute_the_replaced_code_read_is_checked_before_each_run():
+    """A plain attribute read by code the compiled form replaced (a block-mode forward's temperature, an HF
+    router's top_k) keeps its compile-time value inside the program: changing it afterwards used to be
+    ignored silently. Now a run refuses it by name, and putting the value back makes runs work again."""
+    from moe_compile.errors import OptionError
+    from moe_compile.models.hf import tiny_hf_model
+
+    model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
+    for layer in model.layers:
+        blk = layer.mlp
+        blk.temperature = 1.0
+
+        class Tempered(type(blk)):
+            def forward(self, hidden):
+                x = hidden.reshape(-1, hidden.shape[-1])
+                w, idx = (self.router(x).float() / self.temperature).softmax(-1).topk(self.top_k, -1)
+                w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+                return self.expert_mix(x, idx, w).reshape(hidden.shape), x.new_zeros(())
+
+        blk.__class__ = Tempered
+    ref = copy.deepcopy(model)
+    ids = make_batches(1, seed=7)[0]
+    with torch.no_grad():
+        before = ref(ids).logits
+        ref.layers[0].mlp.temperature = 0.5
+        assert rel_err(ref(ids).logits, before) > 1e-3  # the attribute matters to the model
+    ref.layers[0].mlp.temperature = 1.0
+    cm = moe_compile(model)
+    assert {s.mode for s in cm.blocks.values()} == {"block"}
+    model.layers[0].mlp.temperature = 0.5
+    for run in (lambda: cm(ids, labels=ids), lambda: cm.train_step(input_ids=ids, labels=ids)):
+        with pytest.raises(OptionError, match=r"layers\.0\.mlp\.temperature was 1\.0 when compiling and is 0\.5"):
+            run()
+    model.layers[0].mlp.temperature = 1.0
+    assert_step_matches_dense(cm, ref, ids)
+    cm.close()
+
+    hf = tiny_hf_model("olmoe", layers=1, d=32, experts=4, top_k=2, hidden=16)
+    cm = moe_compile(hf)
+    hf.model.layers[0].mlp.gate.top_k = 1
+    with pytest.raises(OptionError, match=r"mlp\.gate\.top_k was 2 when compiling and is 1"):
+        cm(input_ids=ids[:, :8], labels=ids[:, :8])
+    cm.close()

@@ -276,6 +276,9 @@ class PipelineRuntime:
     def train_step(self, kwargs: dict[str, Any]) -> torch.Tensor:
         batch, err = kwargs, None
         try:
+            baked = self.cm.baked.changed("train_step")
+            if baked is not None:
+                raise baked
             kwargs, w, shape, b = self._prepare(batch)
         except OptionError as e:  # agreed below: a refusal on one rank alone left the others in a receive
             err = e
