@@ -206,8 +206,7 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
         cm = moe_compile(net, spec, capacity_factor=capacity_factor, **extra)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
         pipeline = None
-        fused = _fused_attention() if spec.cp == 1 else contextlib.nullcontext()  # cp: its pass reads SDPA calls
-        with warnings.catch_warnings(), _differentiable_cross_entropy(), fused:
+        with warnings.catch_warnings(), _differentiable_cross_entropy(), _fused_attention():
             # meta tensors: eager autograd kernels of some losses are missing; nothing numeric is used
             warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
             if pipelined:  # every stage compiled here, one forward and backward each (nothing sent)
@@ -245,7 +244,8 @@ def _fused_attention():
     are). On the meta device SDPA takes its math path, which saves the [B, H, S, S] attention
     probabilities for backward, so M_saved and M_working grew with S² (1.7× the measured figures for the
     tiny LM at S=256 on dp=2, ep_mp=2); the fused kernels on CPU and GPU (flash, efficient, cuDNN) save the output and the
-    log-sum-exp. Dropout keeps the original call."""
+    log-sum-exp. Dropout keeps the original call. With cp > 1 the context-parallel pass rewrites these
+    fused calls as it rewrites SDPA's (passes/context_parallel.py)."""
     import torch.nn.functional as F
 
     original = F.scaled_dot_product_attention

@@ -82,6 +82,35 @@ def test_explain_saved_activations_match_a_real_step(tmp_path):
     assert planned["F_fwd_token"] == real["F_fwd_token"] > 0  # attention FLOPs still read from the fused calls
 
 
+def _cp2_real_ledger(rank: int, world: int, seq: int) -> dict:
+    from moe_compile import moe_compile
+
+    cm = moe_compile(tiny_hf_model("olmoe", layers=2), "cp=2")
+    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))
+    cm(input_ids=ids, labels=ids).loss.backward()
+    led = cm.ledger()
+    cm.close()
+    return {k: led[k] for k in ("M_saved", "F_fwd_token")}
+
+
+def test_explain_saved_activations_at_cp2_match_a_real_step(tmp_path):
+    """With cp > 1 explain traced SDPA's math path (the context-parallel pass only rewrote SDPA calls), so
+    its M_saved counted [B, H, S/cp, S] attention probabilities: 1.40× a real cp=2 step's here. The pass
+    now rewrites the fused kernel explain traces too (with the additive mask SDPA makes of the boolean
+    one), and explain is within 0.1% of the ledger of a real two-rank cp=2 step (OLMoE, S=256)."""
+    from .harness import run_ranks
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(tiny_hf_config("olmoe", layers=2).to_json_string())
+    out = tmp_path / "plan"
+    assert main(["explain", "--hf-config", str(cfg), "--mesh", "dp=1,cp=2", "--seq-len", "256", "--batch-size", "1",
+                 "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
+    planned = json.loads((out / "ledger.json").read_text())
+    real = run_ranks(_cp2_real_ledger, 2, 256)[0]
+    assert abs(planned["M_saved"] - real["M_saved"]) <= 0.001 * real["M_saved"], (planned["M_saved"], real["M_saved"])
+    assert planned["F_fwd_token"] == real["F_fwd_token"] > 0
+
+
 @pytest.mark.slow
 def test_explain_hf_config_file(tmp_path):
     cfg = tmp_path / "config.json"

@@ -16,6 +16,10 @@ at run time) and attention is causal (or bidirectional when the node has neither
 ``is_causal``). A graph with no SDPA node (the eager matmul-softmax form) or with dropout in
 attention is refused, naming the module; sliding-window attention is refused at compile time.
 
+``moe-compile explain`` captures on the meta device with SDPA as the fused CPU kernel (what a rank
+saves, not the math path's probabilities): those calls are rewritten the same way, the boolean mask
+turned into the additive one SDPA would make of it.
+
 Requires DENSE, ensures DENSE. A no-op at cp = 1.
 """
 
@@ -32,13 +36,21 @@ from ..ir import Stage
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+# the fused CPU kernel that explain captures on the meta device in SDPA's place (explain._fused_attention):
+# rewritten the same way, to itself, so the plan saves what a rank's kernel saves (not the math path's S²)
+FUSED = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_FUSED_ARGS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
 
 
 def _arg(n: fx.Node, i: int, default=None):
     name = _ARGS[i]
     if name in n.kwargs:
         return n.kwargs[name]
+    if n.target in FUSED:
+        j = _FUSED_ARGS.index(name) if name in _FUSED_ARGS else len(n.args)
+        return n.args[j] if j < len(n.args) else default
     return n.args[i] if i < len(n.args) else default
 
 
@@ -55,7 +67,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         return gm
     g = gm.graph
     nodes = list(g.nodes)
-    attn = [n for n in nodes if n.op == "call_function" and n.target in SDPA]
+    attn = [n for n in nodes if n.op == "call_function" and (n.target in SDPA or n.target in FUSED)]
     if not attn:
         soft = next((n for n in nodes if n.op in ("call_function", "call_method") and "softmax" in str(n.target)
                      and "attn" in _where(n).lower()), None)
@@ -104,7 +116,16 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
                 mask = g.call_function(operator.le, (kp, qp))
                 new += [qp.args[0], qp, kp.args[0], kp, mask]
                 kwargs["attn_mask"] = mask
-            out = g.call_function(F.scaled_dot_product_attention, (q, kg, vg), kwargs)
+            if n.target in FUSED:  # (out, log-sum-exp) as the node it replaces; no GQA flag (heads as they are)
+                kwargs.pop("enable_gqa", None)
+                if causal:  # SDPA turns a boolean mask into an additive one of q's dtype first (what backward keeps)
+                    zero = g.call_function(torch.zeros_like, (mask,), {"dtype": q.meta["val"].dtype})
+                    hidden = g.call_function(torch.logical_not, (mask,))
+                    kwargs["attn_mask"] = g.call_function(torch.Tensor.masked_fill, (zero, hidden, float("-inf")))
+                    new += [zero, hidden, kwargs["attn_mask"]]
+                out = g.call_function(n.target, (q, kg, vg, 0.0, False), kwargs)
+            else:
+                out = g.call_function(F.scaled_dot_product_attention, (q, kg, vg), kwargs)
             new.append(out)
         out.meta.update({k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace")})
         new_sorted = sorted(set(new), key=lambda x: list(g.nodes).index(x))
