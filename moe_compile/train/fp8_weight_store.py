@@ -14,9 +14,23 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import MoECompileError
 from ..mxfp8 import check_block_dim, quantize_packed
+
+# Optimizer steps taken in this process (any torch.optim optimizer). Without a main weight the caches
+# follow the anchor parameter, and some updates leave its version counter alone: fused optimizers
+# (AdamW(fused=True) on CPU) and writes through ``.data``; a step counted here marks every cache stale.
+_optimizer_steps = 0
+
+
+def _count_step(*_args) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 class FP8WeightStore:
@@ -29,7 +43,7 @@ class FP8WeightStore:
         self.main: torch.Tensor | None = None  # the FP32 main weight, once an optimizer owns it
         self.anchor_released = False
         self.caches: dict[str, torch.Tensor] = {}
-        self._seen_version = -1
+        self._seen: tuple[int, int, int] = (-1, -1, -1)
         self.refresh_from()
 
     def source(self) -> torch.Tensor:
@@ -50,12 +64,18 @@ class FP8WeightStore:
         w = self.source().detach()
         self.caches["fwd"] = quantize_packed(w, self.mode)
         self.caches["t"] = quantize_packed(w.transpose(-2, -1).contiguous(), self.mode)
-        self._seen_version = self.param._version
+        self._seen = self._anchor_state()
+
+    def _anchor_state(self) -> tuple[int, int, int]:
+        """What tells an anchor update: its version (in-place writes), its storage (``p.data = ...``,
+        vector_to_parameters) and the process's optimizer steps (fused kernels, ``.data`` writes)."""
+        return self.param._version, self.param.data_ptr(), _optimizer_steps
 
     def cache(self, orientation: str) -> torch.Tensor:
-        # An optimizer that updates the anchor parameter in place bumps its version: refresh then,
-        # so a cache never lags the weight it derives from.
-        if self.main is None and self.param._version != self._seen_version:
+        # Without a main weight the caches derive from the anchor: refresh when it may have changed, so a
+        # cache never lags the weight. Not seen: an in-place write through ``.data`` outside any optimizer
+        # step (call cm.refresh_compute_weights() after one).
+        if self.main is None and self._anchor_state() != self._seen:
             self.refresh_from()
         return self.caches[orientation]
 
@@ -67,7 +87,7 @@ class FP8WeightStore:
         self.refresh_from(main)
         self.param.data = torch.zeros(1, dtype=self.param.dtype, device=self.param.device).expand(self.param.shape)
         self.anchor_released = True
-        self._seen_version = self.param._version
+        self._seen = self._anchor_state()
 
     def value(self) -> torch.Tensor:
         """The full-precision weight (for checkpoint views and full_state_dict)."""

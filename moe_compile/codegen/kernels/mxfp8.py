@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ...mxfp8 import BLOCK, packed_width
 from ..kernel_cache import Config, LaunchPlan, launch, make_spec
-from ._lang import round_
+from ._lang import cast_, round_
 from .grouped_gemm import _tile_of_group
 from .swiglu import act_fwd, gated_fwd
 
@@ -183,7 +183,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, counts_ptr, N, K,
         b = tl.load(b_base + _offsets(cols, ks, stride_bn), mask=cmask[:, None] & kmask[None, :], other=0)
         b_s = tl.load(b_base + _offsets(cols, K + ss, stride_bn), mask=cmask[:, None] & smask[None, :], other=127)
         acc = tl.dot_scaled(a, a_s, "e4m3", tl.trans(b), b_s, "e4m3", acc)
-    c = acc.to(c_ptr.dtype.element_ty)
+    c = cast_(acc, c_ptr.dtype.element_ty)  # round to nearest also under the interpreter (its cast truncates)
     tl.store(c_ptr + _offsets(rows, cols, stride_c), c, mask=rmask[:, None] & cmask[None, :])
 
 
