@@ -85,7 +85,10 @@ C_rho = _def("C_rho", sp.ceiling(_f_rho * T * K), "rows", "routing",
              "dropless receive rows once the capacity followed a load of imbalance rho (h_d doubled until it "
              "holds rho, at most ep_mp)")
 _def("C_bound", ep_mp * T * K, "rows", "routing", "dropless bound ep_mp·T·K (what a static dropless buffer needs)")
-_recv_row = (2 * d + (1 + G) * h_e) * b_a  # capacity-sized tensors of one layer: receive rows, expert output, pre-activations
+# one dispatched row as it travels and is received: d activations, or under MXFP8 (q_mx = 1) one packed
+# qdata–scale row of d E4M3 bytes and d/32 E8M0 scales; the combine mirror's gradient rows likewise
+_mx_row = q_mx * (d + d / 32) + (1 - q_mx) * d * b_a
+_recv_row = _mx_row + (d + (1 + G) * h_e) * b_a  # capacity-sized tensors of one layer: receive rows, expert output, pre-activations
 _def("M_recv_rho", C_rho * _recv_row, "bytes", "working",
      "dropless: capacity-sized buffers of one MoE layer (receive, expert output, pre-activations) at imbalance rho")
 _def("M_recv_uniform", sp.ceiling(sp.Min(ep_mp, h_d) * T * K) * _recv_row, "bytes", "working",
@@ -127,13 +130,13 @@ _layout = 2 * ep_mp * N * b_i  # layout [2, ep, ep, L_loc] int64
 M_route = _def("M_route_layer", T * N * b_a + T * K * (b_r + b_i) + R * b_i + N * b_i + _layout + L_loc * b_i,
                "bytes", "working", "routing buffers of one MoE layer: logits, route weights and indices, "
                "permutation order, per-expert counts, dispatch layout, receive counts")
-M_comm = _def("M_comm_layer", (2 * R + 2 * C) * d * b_a, "bytes", "working",
-              "communication buffers of one MoE layer: permuted send rows, receive buffer, expert output, "
-              "returned rows")
+M_comm = _def("M_comm_layer", (2 * R + C) * d * b_a + (C + q_mx * R) * _mx_row, "bytes", "working",
+              "communication buffers of one MoE layer: permuted send rows (and, under MXFP8, their packed "
+              "copy), receive buffer, expert output, returned rows")
 M_ffn = _def("M_ffn_layer", C * (1 + G) * h_e * b_a, "bytes", "working", "expert FFN pre-activations of one MoE layer")
 M_saved_layer = _def(
     "M_saved_moe_layer",
-    T * K * (b_i + b_r) + R * b_i + _layout + L_loc * b_i + C * d * b_a + C * (1 + G) * h_e * b_a + R * d * b_a,
+    T * K * (b_i + b_r) + R * b_i + _layout + L_loc * b_i + C * _mx_row + C * (1 + G) * h_e * b_a + R * d * b_a,
     "bytes", "working",
     "what the MoE ops of one layer keep for backward: route indices and weights, order, layout, receive "
     "counts, receive buffer, pre-activations, returned rows",
@@ -142,20 +145,21 @@ _def("M_ffn_workspace", C * ((5 + 2 * G) * h_e + d) * b_a, "bytes", "working",
      "bound on the temporaries inside one moe::grouped_ffn_backward (torch kernels: activation recompute, "
      "gate/up gradients, input gradient) on top of the graph's values")
 _def("M_saved_moe", L * M_saved_layer, "bytes", "working", "MoE tensors kept for backward, all MoE layers")
-_def("M_sym", H * C * d * b_a, "bytes", "working",
+_def("M_sym", H * C * _mx_row, "bytes", "working",
      "symmetric payloads at high-water: H receive buffers of C rows live at once (one family)")
 
 # -- traffic (bytes per rank per optimizer step) --------------------------------------------------
 V_row = m * L * R * d * b_a
+V_row_sent = m * L * R * _mx_row  # dispatch and the combine mirror carry MXFP8 rows under mxfp8
 for _kind, _what in (("dispatch", "dispatch"), ("combine_backward", "combine mirror")):
-    _def(f"V_{_kind}", V_row, "bytes", "traffic",
+    _def(f"V_{_kind}", V_row_sent, "bytes", "traffic",
          f"ep_mp {_what}: the rank's T·K rows leaving through the transport, its own included (exact when "
          "dropless; an upper bound with a capacity)")
 for _kind, _what in (("combine", "combine"), ("dispatch_backward", "dispatch mirror")):
     _def(f"V_{_kind}", V_row, "bytes", "traffic",
          f"ep_mp {_what}: rows the rank returns (those it received): routing-dependent per rank, exact as the "
          "mean over an EP-MP group when dropless (every row sent comes back)")
-V_ep = _def("V_ep_mp", 4 * V_row, "bytes", "traffic", "ep_mp total: dispatch, combine and their backward mirrors")
+V_ep = _def("V_ep_mp", 2 * V_row + 2 * V_row_sent, "bytes", "traffic", "ep_mp total: dispatch, combine and their backward mirrors")
 _def("V_ep_mp_peer", V_ep * (1 - 1 / ep_mp), "bytes", "traffic",
      "ep_mp bytes to other ranks, expected value under uniform routing (a routed row stays on its rank "
      "with probability 1/ep_mp)")
