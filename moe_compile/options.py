@@ -76,6 +76,8 @@ class CompileOptions:
         for name in ("lease_sharing", "lease_debug", "debug_pictures", "fullgraph"):  # "no" is truthy
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.debug_pictures and self.debug_dir is None:
+            raise OptionError("debug_pictures=True renders the debug dumps, which need debug_dir=...: give one")
         if self.debug_dir is not None and not isinstance(self.debug_dir, str | os.PathLike):
             raise OptionError(f"debug_dir={self.debug_dir!r}: must be a directory path (str or os.PathLike)")
         if self.debug_dir is not None and os.path.exists(self.debug_dir) and not os.path.isdir(self.debug_dir):
@@ -107,7 +109,15 @@ class CompileOptions:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise OptionError(f"unknown moe_compile option(s) {unknown}; known: {sorted(names)}")
-        return cls(**kwargs)
+        opts = cls(**kwargs)
+        # an option given explicitly that the other options leave without effect: say so, not ignore it
+        if "dropless_headroom" in kwargs and opts.capacity_factor is not None:
+            raise OptionError(f"dropless_headroom={opts.dropless_headroom!r} sizes dropless receive buffers, but "
+                              f"capacity_factor={opts.capacity_factor!r} fixes the capacity: drop one of them")
+        if "mxfp8_scale_mode" in kwargs and opts.mxfp8 is None:
+            raise OptionError(f"mxfp8_scale_mode={opts.mxfp8_scale_mode!r} without mxfp8=...: nothing is "
+                              "quantised; set mxfp8 too")
+        return opts
 
 
 def as_integer(v: Any) -> int | None:

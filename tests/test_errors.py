@@ -271,6 +271,10 @@ def test_missing_top_k():
     ({"debug_dir": 123}, "debug_dir=123: must be a directory path"),  # failed inside dynamo's first compile
     ({"debug_dir": __file__}, "exists and is not a directory"),
     ({"pp_split": ["layers.1"]}, r"pp_split=\['layers.1'\]: the mesh has pp=1"),  # silently ignored before
+    # options the others leave without effect (accepted silently before)
+    ({"capacity_factor": 1.0, "dropless_headroom": 4.0}, "dropless_headroom=4.0 sizes dropless receive buffers"),
+    ({"mxfp8_scale_mode": "floor"}, "mxfp8_scale_mode='floor' without mxfp8"),
+    ({"debug_pictures": True}, "debug_pictures=True renders the debug dumps, which need debug_dir"),
 ])
 def test_bad_options(kw, match):
     with pytest.raises(OptionError, match=match):

@@ -74,14 +74,21 @@ class TrainConfig:
             raise OptionError("--resume and --save-every need --ckpt DIR")
         if self.keep_last is not None and self.keep_last < 1:
             raise OptionError(f"--keep-last {self.keep_last}: must be ≥ 1")
-        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 or min(self.layers, self.experts, self.top_k) < 1:
+        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 or \
+                min(self.layers, self.experts, self.top_k, self.d_model) < 1:
             raise OptionError(f"--steps {self.steps}, --batch-size {self.batch_size}, --seq-len {self.seq_len}, "
-                              f"--layers {self.layers}, --experts {self.experts}, --top-k {self.top_k}: need steps ≥ 0, "
+                              f"--layers {self.layers}, --experts {self.experts}, --top-k {self.top_k}, "
+                              f"--d-model {self.d_model}: need steps ≥ 0, "
                               "seq-len ≥ 2 (one next-token label), the others ≥ 1")
         if not (self.lr >= 0 and math.isfinite(self.lr) and self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise OptionError(f"--lr {self.lr}, --weight-decay {self.weight_decay}: must be finite and ≥ 0")
         if self.max_grad_norm is not None and not (self.max_grad_norm >= 0):
             raise OptionError(f"--max-grad-norm {self.max_grad_norm}: must be ≥ 0 (0: no clipping)")
+        per_row = 4 if self.precision == "fp32" else 8  # elements in 16 bytes: fp32 | bf16 weights
+        if self.model != "tiny" and self.d_model % per_row:  # transformers' grouped_mm experts: 16-byte aligned rows
+            raise OptionError(f"--d-model {self.d_model}: a transformers family's fused experts (grouped_mm) need "
+                              f"rows of a multiple of 16 bytes, so at --precision {self.precision} it must be a "
+                              f"multiple of {per_row}")
         if self.model == "tiny" and self.d_model % TinyMoEConfig.n_heads:
             raise OptionError(f"--d-model {self.d_model}: the tiny model's {TinyMoEConfig.n_heads} attention heads "
                               "split it evenly, so it must be a multiple of them")
