@@ -178,6 +178,14 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
             "under context parallelism: only full causal attention is sharded exactly, these would mix tokens "
             "within one rank's shard only; use cp=1")
+    nope = [i for i, r in enumerate(getattr(cfg, "no_rope_layers", None) or []) if not r]
+    if getattr(cfg, "attn_temperature_tuning", False) and nope:
+        raise UnsupportedFeatureError(
+            f"mesh {spec}: attention temperature tuning in the NoPE layers {nope} (Llama 4: "
+            "config.attn_temperature_tuning) scales each query by its position, which it takes from the length of "
+            "the rank's shard (arange) rather than the token's place in the sequence, so under context parallelism "
+            f"it is wrong from S ≥ floor_scale ({getattr(cfg, 'floor_scale', '?')}) on; set "
+            "attn_temperature_tuning=False or use cp=1")
     convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
     if convs:
         raise UnsupportedFeatureError(

@@ -212,13 +212,21 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
             if pipelined:  # every stage compiled here, one forward and backward each (nothing sent)
                 from .explain_pipeline import stage_rows
 
-                programs = cm.pipeline.plan_stages({"input_ids": ids, "labels": ids})
+                mb = {"input_ids": ids, "labels": ids}
+                if spec.cp > 1:  # this rank's sequence shard, as a pipelined train_step cuts it
+                    from .runtime.context_parallel import shard_batch
+
+                    mb = shard_batch(mb, spec.cp, cm.groups.cp_rank, count=False)
+                programs = cm.pipeline.plan_stages(mb)
                 cm.pipeline._programs = [programs[s] for s in cm.pipeline.local]
                 pipeline = stage_rows(cm, programs)
             else:
                 res = cm(input_ids=ids, labels=ids)
                 res.loss.backward()
-        led = cm.ledger(micro_batches=micro_batches)
+        # pipelined: the whole model's program captured no graph (each stage has its own, in the stage
+        # rows), so the token-dependent figures take T from the planned micro-batch: this rank's tokens of it
+        tokens = {"tokens": batch_size * seq_len // spec.cp, "seq_len": seq_len} if pipelined else {}
+        led = cm.ledger(micro_batches=micro_batches, **tokens)
         result = ExplainResult(name, cm.program.mesh, led)
         from .explain_cp import cp_rows
 

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 
 from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import OptionError, UnsupportedFeatureError
@@ -102,6 +103,63 @@ def test_cp2_mla_attention_keeps_its_in_place_key_writes():
 @pytest.mark.slow
 def test_cp2_two_ranks():
     check(run_ranks(cp_worker, 2, ("tiny", "olmoe", "mixtral"), "cp=2", 16), 16, 2)
+
+
+class _ShiftsItself(nn.Module):
+    """A user's causal LM wrapper that shifts labels itself and takes the mean (no shift_labels, no
+    num_items_in_batch: swallowed by **kwargs)."""
+
+    def __init__(self, reads_shift_labels: bool) -> None:
+        super().__init__()
+        self.lm, self.reads_shift_labels = _model("tiny"), reads_shift_labels
+
+    def forward(self, input_ids, labels=None, position_ids=None, shift_labels=None, **kwargs):
+        logits = self.lm(input_ids=input_ids, position_ids=position_ids).logits
+        if self.reads_shift_labels and shift_labels is not None:
+            target, lg = shift_labels, logits
+        else:
+            target, lg = labels[:, 1:], logits[:, :-1]
+        return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), target.reshape(-1)), logits
+
+
+def unsharded_cp_worker(rank: int, world: int) -> list[str]:
+    from moe_compile.models.hf import tiny_family_model
+
+    spec, msgs = MeshSpec.parse("cp=2").resolve(world), []
+    b = make_batches(1, 2, 8)[0]
+    cm = moe_compile(_model("olmoe"), spec)
+    try:  # the config's output_router_logits was refused, the same per call was not
+        cm(input_ids=b, labels=b, output_router_logits=True)
+    except OptionError as e:
+        msgs.append(str(e))
+    cm.close()
+    llama4 = tiny_family_model("llama4_text", seed=0, attention_chunk_size=None, no_rope_layers=[0, 0],
+                               layer_types=["full_attention", "full_attention"])
+    try:
+        moe_compile(llama4, spec)
+    except UnsupportedFeatureError as e:
+        msgs.append(str(e))
+    for reads in (False, True):
+        cm = moe_compile(_ShiftsItself(reads), spec)
+        try:
+            cm(input_ids=b, labels=b)
+        except UnsupportedFeatureError as e:
+            msgs.append(str(e))
+        cm.close()
+    return msgs
+
+
+def test_context_parallel_refuses_what_a_shard_would_compute_wrongly():
+    """Each was accepted and silently off at cp=2: the load-balancing loss asked per call (a shard's router
+    statistics: loss 7.56 for 6.55 on Mixtral), Llama 4's temperature tuning (positions from the shard's
+    length), a model that shifts the already-shifted shard labels again or averages its shard (loss 11.1
+    for 5.6)."""
+    for msgs in run_ranks(unsharded_cp_worker, 2):
+        assert len(msgs) == 4, msgs
+        assert "output_router_logits=True asks for the model's load-balancing loss" in msgs[0]
+        assert "attention temperature tuning in the NoPE layers [0, 1]" in msgs[1]
+        assert "reads labels and not shift_labels" in msgs[2]
+        assert "ignores num_items_in_batch" in msgs[3]
 
 
 @pytest.mark.slow

@@ -111,6 +111,19 @@ def test_explain_saved_activations_at_cp2_match_a_real_step(tmp_path):
     assert planned["F_fwd_token"] == real["F_fwd_token"] > 0
 
 
+def test_explain_pipeline_with_context_parallelism(tmp_path):
+    """pp × cp: the stages were planned on the whole sequence (a raw BackendCompilerFailed saying the model
+    must accept position_ids) and, at any pp > 1, every token-dependent figure was n/a. Now each rank's
+    shard is planned and T is this rank's tokens of the micro-batch."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(tiny_hf_config("mixtral", layers=2).to_json_string())
+    out = tmp_path / "ppcp"
+    assert main(["explain", "--hf-config", str(cfg), "--mesh", "pp=2,cp=2,ep_mp=2,dp=1", "--micro-batches", "2",
+                 "--seq-len", "64", "--batch-size", "2", "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
+    data = json.loads((out / "ledger.json").read_text())
+    assert data["symbols"]["T"] == 2 * 64 // 2 and data["R"] == data["symbols"]["T"] * data["symbols"]["K"]
+
+
 @pytest.mark.slow
 def test_explain_hf_config_file(tmp_path):
     cfg = tmp_path / "config.json"

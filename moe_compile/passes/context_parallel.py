@@ -26,6 +26,7 @@ Requires DENSE, ensures DENSE. A no-op at cp = 1.
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -75,6 +76,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
             f"none{where}: run the model's attention through SDPA (transformers: attn_implementation='sdpa')")
+    _check_loss_inputs(nodes, prog.mesh, cp)
     pos = [n for n in nodes if n.op == "placeholder" and "position_ids" in n.name]
     if len(pos) > 1:
         raise UnsupportedFeatureError(f"context parallelism (cp={cp}): the captured graph takes {len(pos)} position "
@@ -135,6 +137,32 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     g.eliminate_dead_code(is_impure_node=_keeps)
     gm.recompile()
     return gm
+
+
+def _reads(nodes: list[fx.Node], pattern: str) -> bool:
+    return any(n.op == "placeholder" and re.search(pattern, n.name) and n.users for n in nodes)
+
+
+def _check_loss_inputs(nodes: list[fx.Node], mesh, cp: int) -> None:
+    """Each rank's labels are its shard's next tokens, shifted before sharding (the shard's last token's
+    label is the next shard's first token) and passed as ``shift_labels=`` (and ``labels=``), with the
+    whole batch's token count as ``num_items_in_batch`` (pp = 1) so the CP group's summed losses are the
+    batch mean. A forward that reads ``labels`` but not ``shift_labels`` would shift the shard again,
+    and one that ignores ``num_items_in_batch`` would sum shard means: refused (they were silently off,
+    loss 11.1 for 5.6)."""
+    labels, shifted = _reads(nodes, r"(?<!shift_)labels"), _reads(nodes, r"shift_labels")
+    if labels and not shifted:
+        raise UnsupportedFeatureError(
+            f"context parallelism (cp={cp}) passes each rank's shard its labels already shifted, as shift_labels= "
+            "(transformers' causal-LM loss reads them as they are), but the model's forward reads labels and not "
+            "shift_labels, so it would shift them again within the shard: take shift_labels (and "
+            "num_items_in_batch) as transformers' loss_function does, or use cp=1")
+    if (labels or shifted) and mesh.pp == 1 and not _reads(nodes, r"num_items_in_batch"):
+        raise UnsupportedFeatureError(
+            f"context parallelism (cp={cp}) sums the ranks' losses, so each shard's loss must be its token sum over "
+            "the whole batch's num_items_in_batch (passed with shift_labels); the model's forward ignores "
+            "num_items_in_batch and would return its shard's mean: read it as transformers' loss_function does, "
+            "or use cp=1")
 
 
 def _keeps(n: fx.Node) -> bool:

@@ -46,6 +46,9 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
         raise OptionError("context parallelism needs input_ids of shape [batch, sequence]")
     if "inputs_embeds" in kwargs:
         raise OptionError("context parallelism shards input_ids; inputs_embeds is not supported")
+    if kwargs.get("output_router_logits"):  # as api._check_context_parallel refuses it in the config
+        raise OptionError("context parallelism: output_router_logits=True asks for the model's load-balancing loss, "
+                          "which would use one sequence shard's router statistics; leave it out or use cp=1")
     if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or "cache_position" in kwargs:
         raise OptionError("context parallelism: a KV cache (use_cache=True, past_key_values, cache_position) would "
                           "hold one rank's shard of the keys, out of sequence order; pass use_cache=False")
@@ -78,7 +81,11 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
     if shifted is None and labels is not None:  # the user's shift_labels win, as in transformers' loss
         shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
     if shifted is not None:
-        out["labels"] = out["shift_labels"] = shifted[:, idx].contiguous()
+        out["shift_labels"] = shifted[:, idx].contiguous()
+        # labels too, for a forward that only computes its loss when labels are given (transformers'): the same
+        # values in another tensor, so the captured graph shows which of the two the model reads (one tensor
+        # passed twice is one graph input)
+        out["labels"] = out["shift_labels"].clone()
         if count:
             out["num_items_in_batch"] = (shifted != -100).sum()
     return out
