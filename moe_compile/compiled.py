@@ -147,7 +147,7 @@ class CompiledMoE(nn.Module):
                 shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False)
         except OptionError as e:
             err = e
-        agree_on_batch(self.model, batch, err)
+        agree_on_batch(self.model, batch, err, same_batch=(self.groups.cp,) if self.groups is not None else ())
         if batch.get("labels") is not None:
             w = microbatch_weights(batch["labels"], m)
         else:

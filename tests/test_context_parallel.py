@@ -299,3 +299,32 @@ def test_refusals_found_while_capturing_are_moe_compile_errors():
     for msgs in run_ranks(capture_refusal_worker, 2):
         assert msgs[0].startswith("UnsupportedFeatureError") and "rewrites scaled_dot_product_attention" in msgs[0], msgs
         assert msgs[1].startswith("UnsupportedFeatureError") and "attention dropout 0.1" in msgs[1], msgs
+
+
+def same_batch_worker(rank: int, world: int) -> list:
+    out = []
+    for mesh, opts in (("cp=2", {}), ("pp=2", {"microbatches": 2})):
+        model = _model("olmoe")
+        dense = copy.deepcopy(model)
+        cm = moe_compile(model, MeshSpec.parse(mesh).resolve(world), **opts)
+        mine = make_batches(2, 2, 8, seed=5)[rank]  # a loader sharded by global rank: each rank its own batch
+        try:
+            cm.train_step(input_ids=mine, labels=mine)
+        except OptionError as e:
+            out.append(str(e))
+        same = make_batches(2, 2, 8, seed=5)[0]  # then the same batch: the step runs and is the dense model's
+        loss = cm.train_step(input_ids=same, labels=same).item()
+        out.append(abs(loss - dense(input_ids=same, labels=same).loss.item()) / abs(loss))
+        cm.close()
+    return out
+
+
+def test_ranks_of_one_pipeline_or_cp_group_pass_the_same_batch():
+    """Each rank of a CP group or a pipeline passing its own batch trained on a mix of them (one batch's
+    shard attending to another's; stage 0's ids with the last stage's labels) with no error. Refused on
+    every rank now, and the next step is clean."""
+    for msgs in run_ranks(same_batch_worker, 2):
+        assert len(msgs) == 4, msgs
+        for m in (msgs[0], msgs[2]):
+            assert "pipeline or context-parallel group passed different batches" in m and "no rank started" in m
+        assert msgs[1] <= TOL and msgs[3] <= TOL, msgs

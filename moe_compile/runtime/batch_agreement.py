@@ -13,10 +13,19 @@ an OptionError before anything runs — the refusing rank its own message, the o
 next step starts clean on every rank. Cost: one all-reduce of 3 int64 and one host read per train_step
 (on a GPU the read waits for the work already queued, once per step, before the step's first kernel).
 ``cm(...)`` alone (forward only, or the user's own loop) is not agreed: it refuses on the host, locally.
+
+Every rank of one pipeline and of one CP group must pass the same batch (the stages and the shards cut
+one batch). A data loader sharded by global rank instead of by data-parallel replica gave them different
+batches, and the step trained on a mix of them — stage 0's ids with the last stage's labels, one
+sequence's shard attending to another's — with no error. So at pp > 1 or cp > 1 each rank also takes a
+fingerprint of its batch (shapes, and each tensor's position-weighted sum in wrapping int64 arithmetic)
+and compares it within those groups (one all-reduce of two int64 per group, before the world's); a
+mismatch is refused like any other batch. Cost: those one or two small all-reduces per train_step.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -29,14 +38,46 @@ from . import token_range
 _SUFFIX = "; no rank started the step"
 
 
-def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | None, where: str = "train_step") -> None:
-    """Raise on every rank of the world if any rank refused its batch (``err``) or holds token ids or labels
-    outside the model's vocabulary; return on every rank otherwise."""
+def fingerprint(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """One int64 (a tensor on ``device``: no host read) of a batch's tensors: equal for equal batches; another
+    name, shape, dtype or value changes it (almost surely: position-weighted sums, wrapping int64)."""
+    fp = torch.zeros((), dtype=torch.int64, device=device)
+    for k in sorted(batch):
+        v = batch[k]
+        if not isinstance(v, torch.Tensor):
+            continue
+        flat = v.detach().reshape(-1)
+        if v.is_floating_point() or v.is_complex():  # the bits, as integers
+            flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.int64))
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
+        tag = zlib.crc32(f"{k}{tuple(v.shape)}{v.dtype}".encode())  # not hash(): salted per process
+        fp = fp * 1_000_003 + tag + (flat.to(torch.int64) * weights).sum().to(device)
+    return fp & (2**62 - 1)
+
+
+def _same_batch_mismatch(batch: dict[str, Any], groups: list, device: torch.device) -> torch.Tensor:
+    """Whether the ranks of any of ``groups`` hold different batches (MAX of (fp, -fp) per group), as a bool
+    tensor on ``device``."""
+    fp = fingerprint(batch, device)
+    differs = torch.zeros((), dtype=torch.bool, device=device)
+    for g in groups:
+        t = torch.stack([fp, -fp])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        differs = differs | (t[0] != -t[1])
+    return differs
+
+
+def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | None, where: str = "train_step",
+                   same_batch: tuple = ()) -> None:
+    """Raise on every rank of the world if any rank refused its batch (``err``), holds token ids or labels
+    outside the model's vocabulary, or passed another batch than the ranks of a group in ``same_batch``
+    (its pipeline's, its CP group's process groups); return on every rank otherwise."""
     vocab = token_range.vocab_size(model)
     ids, labels = (t if token_range.is_integer_tensor(t) else None for t in (batch.get("input_ids"), batch.get("labels")))
     device = next(model.parameters()).device
     no = torch.zeros((), dtype=torch.bool, device=device)
-    mine = torch.stack([torch.full((), err is not None, device=device),
+    differs = _same_batch_mismatch(batch, [g for g in same_batch if g is not None], device)
+    mine = torch.stack([torch.full((), err is not None, device=device) | differs,
                         token_range.bad_ids(ids, vocab).any().to(device) if vocab and ids is not None else no,
                         token_range.bad_labels(labels, vocab).any().to(device)
                         if vocab and labels is not None and labels.dim() > 0 else no])
@@ -50,6 +91,10 @@ def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | N
         return
     if err is not None:
         raise OptionError(f"{err}{_SUFFIX}") from err
+    if bool(differs):
+        raise OptionError(f"{where}: the ranks of this rank's pipeline or context-parallel group passed different "
+                          "batches; every rank of one pipeline and of one CP group passes the same batch (shard the "
+                          f"data by data-parallel replica, not by global rank){_SUFFIX}")
     bad = mine.tolist()
     if bad[1]:
         raise OptionError(token_range.ids_message(where, ids, vocab) + _SUFFIX)

@@ -282,7 +282,7 @@ class PipelineRuntime:
             kwargs, w, shape, b = self._prepare(batch)
         except OptionError as e:  # agreed below: a refusal on one rank alone left the others in a receive
             err = e
-        agree_on_batch(self.cm.model, batch, err)
+        agree_on_batch(self.cm.model, batch, err, same_batch=(self.cm.groups.pp, self.cm.groups.cp))
         if self._torch_schedule is None:
             m = self.schedule.microbatches
             self._build({k: (v[: b // m] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
