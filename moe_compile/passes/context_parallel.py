@@ -92,7 +92,10 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     else:
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) feeds each shard's global position ids to the model as position_ids, "
-            "but the captured graph takes none: the model's forward must accept position_ids")
+            "but the captured graph reads none: the model's forward must accept position_ids and use them. A model "
+            "that reads no positions (no position embeddings, e.g. granitemoehybrid with position_embedding_type="
+            "None) is refused too: from the graph it cannot be told from one that makes its own positions from the "
+            "shard's length, which would be wrong")
     with g.inserting_after(pos):
         kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
     propagate_fake([kpos])
