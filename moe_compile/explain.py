@@ -226,7 +226,9 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
         # pipelined: the whole model's program captured no graph (each stage has its own, in the stage
         # rows), so the token-dependent figures take T from the planned micro-batch: this rank's tokens of it
         tokens = {"tokens": batch_size * seq_len // spec.cp, "seq_len": seq_len} if pipelined else {}
-        led = cm.ledger(micro_batches=micro_batches, **tokens)
+        # the persistent state of the optimizer `moe-compile train` runs (OLMoDDPOptimizer: FP32 main_grad
+        # buckets, ZeRO-1 sharded FP32 main weights and moments), as the pipeline's stage rows count it
+        led = cm.ledger(micro_batches=micro_batches, sharded_optimizer=True, **tokens)
         result = ExplainResult(name, cm.program.mesh, led)
         from .explain_cp import cp_rows
 

@@ -154,7 +154,8 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
                   micro_batches: int, optimizer_state_bytes: int, main_weights: bool | None, mxfp8: bool,
                   activation_dtype: torch.dtype | None, tokens: int | None,
                   seq_len: int | None, dropless_factor=None, dropless_headroom=None,
-                  load_imbalance: float | None = None) -> tuple[dict[str, int | float | None], list[str]]:
+                  load_imbalance: float | None = None,
+                  sharded_optimizer: bool = False) -> tuple[dict[str, int | float | None], list[str]]:
     notes: list[str] = []
     spec, dnode = _dispatch_spec(graphs)
     if spec is not None:
@@ -168,7 +169,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
     if attn is None:
         notes.append("attention FLOPs need a captured graph with scaled_dot_product_attention calls")
     if main_weights is None:
-        main_weights = b_w < 4
+        main_weights = sharded_optimizer or b_w < 4  # OLMoDDPOptimizer keeps FP32 main weights for every dtype
     h_d = DROPLESS_HEADROOM if dropless_headroom is None else Fraction(dropless_headroom).limit_denominator(1000)
     v: dict[str, int | float | None] = dict(
         d=shape.d, h_e=shape.h_e, N=shape.N, K=shape.K, L=shape.layers, G=int(shape.gated),
@@ -176,8 +177,9 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep_dp=mesh.ep_dp, ep_mp=mesh.ep_mp,
         c_f=(min(mesh.ep_mp, dropless_factor or h_d)) if capacity_factor is None else capacity_factor,
         h_d=h_d, rho=load_imbalance,
-        m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
-        b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8), H=None,
+        m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=4 if sharded_optimizer else b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
+        b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8),
+        z_1=int(sharded_optimizer), H=None,
         L_attn=None, d_qk=None, d_v=None,
     )
     if shape.m_s:
@@ -253,10 +255,13 @@ def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | Non
 
 
 def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, main_weights: bool | None = None,
-               tokens: int | None = None, seq_len: int | None = None, load_imbalance: float | None = None) -> Ledger:
+               tokens: int | None = None, seq_len: int | None = None, load_imbalance: float | None = None,
+               sharded_optimizer: bool = False) -> Ledger:
     """The ledger of a CompiledMoE (see :meth:`CompiledMoE.ledger`). ``load_imbalance`` ρ (the most rows one
     rank receives / T·K) sets the dropless figures C_rho, M_recv_rho; default: the observed high-water
-    of the steps run so far (1 before any)."""
+    of the steps run so far (1 before any). ``sharded_optimizer``: the persistent state of
+    OLMoDDPOptimizer (FP32 main_grad buckets, FP32 main weights and moments ZeRO-1 sharded over each
+    family's replicas) instead of a replicated optimizer over the parameters' own gradients."""
     prog = cm.program
     state = find_dropless_state(prog.ctx_id) if prog.options.capacity_factor is None else None
     if load_imbalance is None and state is not None and state.high_water and state.blocks:
@@ -274,7 +279,7 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
         micro_batches=micro_batches, optimizer_state_bytes=optimizer_state_bytes, main_weights=main_weights,
         mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
         dropless_factor=state.factor if state is not None else None, load_imbalance=load_imbalance or 1,
-        dropless_headroom=prog.options.dropless_headroom,
+        dropless_headroom=prog.options.dropless_headroom, sharded_optimizer=sharded_optimizer,
     )
     gm = None
     if "forward" in graphs:

@@ -49,6 +49,7 @@ from .symbols import (
     q_mx,
     rho,
     sigma_s,
+    z_1,
 )
 
 
@@ -118,8 +119,12 @@ P_local = _def("P_local", (P_dense + P_E / ep_mp) / pp, "params", "parameters",
 # -- persistent training state (bytes per rank) -------------------------------------------------
 M_w = _def("M_weights", P_local * b_w, "bytes", "persistent", "compute weights")
 M_g = _def("M_grads", P_local * b_g, "bytes", "persistent", "accumulated gradients (flat dense and expert buckets)")
-M_main = _def("M_main", P_local * b_main, "bytes", "persistent", "FP32 main weights")
-M_opt = _def("M_opt", P_local * b_opt, "bytes", "persistent", "optimizer states (replicated over dp)")
+P_owned = _def("P_owned", (P_dense / (1 + z_1 * (dp * cp - 1)) + P_E / (ep_mp * (1 + z_1 * (ep_dp - 1)))) / pp,
+               "params", "parameters", "parameters whose FP32 main weight and optimizer state this rank keeps: "
+               "P_local, or under ZeRO-1 (z_1 = 1) its share over the family's replicas")
+M_main = _def("M_main", P_owned * b_main, "bytes", "persistent", "FP32 main weights")
+M_opt = _def("M_opt", P_owned * b_opt, "bytes", "persistent",
+             "optimizer states (replicated over dp, or ZeRO-1 sharded with z_1 = 1)")
 M_mx = _def("M_mxfp8", q_mx * 2 * (1 + sp.Rational(1, 32)) * P_E / (pp * ep_mp), "bytes", "persistent",
             "MXFP8 compute-weight caches of the local experts: 1-byte qdata plus one E8M0 scale per 32 "
             "elements, in two orientations (forward and transposed)")
