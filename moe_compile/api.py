@@ -213,6 +213,9 @@ def _schedule_for(spec: MeshSpec, opts: CompileOptions):
     v = opts.stages_per_rank or (2 if opts.schedule == "interleaved_1f1b" else 1)
     check_schedule(opts.schedule, spec.pp, opts.microbatches, v)
     if spec.pp == 1:
+        if opts.given("schedule"):
+            raise OptionError(f"schedule={opts.schedule!r}: the mesh has pp=1, so no pipeline schedule runs (train_step "
+                              "accumulates its microbatches); drop schedule or set pp in the mesh")
         if opts.pp_split is not None:
             raise OptionError(f"pp_split={list(opts.pp_split)}: the mesh has pp=1, so there are no pipeline stages "
                               "to split; drop pp_split or set pp in the mesh")

@@ -110,6 +110,7 @@ class CompileOptions:
         if unknown:
             raise OptionError(f"unknown moe_compile option(s) {unknown}; known: {sorted(names)}")
         opts = cls(**kwargs)
+        object.__setattr__(opts, "_given", frozenset(kwargs))  # what the caller set (not a field: no option)
         # an option given explicitly that the other options leave without effect: say so, not ignore it
         if "dropless_headroom" in kwargs and opts.capacity_factor is not None:
             raise OptionError(f"dropless_headroom={opts.dropless_headroom!r} sizes dropless receive buffers, but "
@@ -118,6 +119,10 @@ class CompileOptions:
             raise OptionError(f"mxfp8_scale_mode={opts.mxfp8_scale_mode!r} without mxfp8=...: nothing is "
                               "quantised; set mxfp8 too")
         return opts
+
+    def given(self, name: str) -> bool:
+        """Whether ``name`` was passed explicitly (to moe_compile), not left at its default."""
+        return name in getattr(self, "_given", ())
 
 
 def as_integer(v: Any) -> int | None:

@@ -176,7 +176,8 @@ def test_families_and_train_refuse_bad_arguments_before_any_rank_starts(capsys):
 
     cases = ((["families", "olmoe", "--mesh", "tp=2"], "tp"), (["families", "olmoe", "--ranks", "0"], "--ranks 0"),
              (["train", "--d-model", "30"], "--d-model 30"), (["train", "--capacity-factor", "nan"], "--capacity-factor nan"),
-             (["train", "--d-model", "0"], "--d-model 0"),  # were a ZeroDivisionError / negative size on every rank
+             (["train", "--d-model", "0"], "--d-model 0"),
+             (["train", "--schedule", "gpipe"], "--schedule gpipe: the mesh has pp=1"),  # was ignored  # were a ZeroDivisionError / negative size on every rank
              (["train", "--hf", "olmoe", "--d-model", "30"], "multiple of 4"),  # was "must compute forward(...)"
              (["train", "--mesh", "foo=2", "--ranks", "2"], "foo=2"),
              (["train", "--mesh", "ep_mp=4", "--ranks", "2"], "ep_mp=4 does not divide"))

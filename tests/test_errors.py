@@ -275,6 +275,7 @@ def test_missing_top_k():
     ({"capacity_factor": 1.0, "dropless_headroom": 4.0}, "dropless_headroom=4.0 sizes dropless receive buffers"),
     ({"mxfp8_scale_mode": "floor"}, "mxfp8_scale_mode='floor' without mxfp8"),
     ({"debug_pictures": True}, "debug_pictures=True renders the debug dumps, which need debug_dir"),
+    ({"schedule": "gpipe"}, "schedule='gpipe': the mesh has pp=1"),
 ])
 def test_bad_options(kw, match):
     with pytest.raises(OptionError, match=match):

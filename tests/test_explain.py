@@ -151,6 +151,7 @@ def test_explain_hf_config_file(tmp_path):
     (["--model", "tiny", "--mesh", "dp=2", "--micro-batches", "-2"], "--micro-batches -2: must be a whole number ≥ 1"),
     (["--model", "tiny", "--mesh", "dp=2", "--batch-size", "0"], "--batch-size 0: must be a whole number ≥ 1"),
     (["--model", "tiny", "--mesh", "dp=2", "--seq-len", "0"], "--seq-len 0: must be a whole number ≥ 1"),
+    (["--model", "tiny", "--mesh", "dp=2", "--schedule", "gpipe"], "--schedule gpipe: the mesh has pp=1"),
     (["--hf-config", "/nonexistent/config.json", "--mesh", "dp=2"],
      "--hf-config /nonexistent/config.json: cannot read it (No such file or directory)"),
 ])
