@@ -109,6 +109,11 @@ def test_explain_saved_activations_at_cp2_match_a_real_step(tmp_path):
     real = run_ranks(_cp2_real_ledger, 2, 256)[0]
     assert abs(planned["M_saved"] - real["M_saved"]) <= 0.001 * real["M_saved"], (planned["M_saved"], real["M_saved"])
     assert planned["F_fwd_token"] == real["F_fwd_token"] > 0
+    # per-token FLOPs do not depend on the mesh: a query attends to all S keys on every shard (they counted
+    # the shard's S/cp keys, from the graph captured before the CP pass)
+    assert main(["explain", "--hf-config", str(cfg), "--mesh", "dp=2", "--seq-len", "256", "--batch-size", "1",
+                 "--dtype", "float32", "--out", str(tmp_path / "cp1"), "--no-png"]) == 0
+    assert planned["F_fwd_token"] == json.loads((tmp_path / "cp1" / "ledger.json").read_text())["F_fwd_token"]
 
 
 def test_explain_pipeline_with_context_parallelism(tmp_path):
@@ -122,6 +127,7 @@ def test_explain_pipeline_with_context_parallelism(tmp_path):
                  "--seq-len", "64", "--batch-size", "2", "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
     data = json.loads((out / "ledger.json").read_text())
     assert data["symbols"]["T"] == 2 * 64 // 2 and data["R"] == data["symbols"]["T"] * data["symbols"]["K"]
+    assert data["F_step_rank"] > 0  # attention read from every planned stage's graph (was n/a)
 
 
 @pytest.mark.slow

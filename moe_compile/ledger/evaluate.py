@@ -124,12 +124,14 @@ def _num(x: sp.Expr) -> int | float:
 # -- gathering values -------------------------------------------------------------------------
 
 
-def _attention(captured: torch.fx.GraphModule | None) -> tuple[int, int, int, int] | None:
-    """(L_attn, d_qk, d_v, S) from the scaled-dot-product-attention calls of the captured graph."""
-    if captured is None:
+def _attention(captured: torch.fx.GraphModule | list | None) -> tuple[int, int, int, int] | None:
+    """(L_attn, d_qk, d_v, S) from the scaled-dot-product-attention calls of the captured graph (or of every
+    pipeline stage's captured graph, in stage order)."""
+    graphs = [g for g in (captured if isinstance(captured, list) else [captured]) if g is not None]
+    if not graphs:
         return None
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # explain traces this one on meta
-    calls = [n for n in captured.graph.nodes if n.op == "call_function"
+    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"
              and n.target in (torch.nn.functional.scaled_dot_product_attention, fused, fused.default)]
     if not calls:
         return None
@@ -194,7 +196,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         v["sigma_s"] = int(counts.shared_gate > 0)
     if attn is not None:
         v["L_attn"], v["d_qk"], v["d_v"], s = attn
-        v["S"] = v["S"] or s
+        v["S"] = v["S"] or s * mesh.cp  # captured before the CP pass: a shard's keys; its queries see all S
     if tokens is not None:
         v["B"] = micro_batches * tokens * mesh.cp
     else:
@@ -273,6 +275,9 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
         raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
                           f"L·N·(2+G)·d·h_e = {expected}")
     graphs = dict(prog.graphs)
+    planned = getattr(getattr(cm, "pipeline", None), "planned", None)
+    if "captured" not in graphs and planned:  # explain planned every stage here: the whole model's attention
+        graphs["captured"] = [planned[s].graphs.get("captured") for s in sorted(planned)]
     act = next((p.dtype for n, p in cm.model.named_parameters() if p.is_floating_point()), None)
     values, notes = gather_values(
         shape, counts, prog.mesh, graphs, capacity_factor=prog.options.capacity_factor,

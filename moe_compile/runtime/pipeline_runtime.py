@@ -204,6 +204,7 @@ class PipelineRuntime:
         self._torch_schedule = None
         self._shape: tuple | None = None
         self._programs: list = []  # Program per local stage
+        self.planned: dict = {}  # stage → Program, once plan_stages compiled every stage (explain)
         self._eval: dict = {}  # (outputs, batch shapes) → ({stage: (module, graph)}, fake values)
 
     # -- build -------------------------------------------------------------------------------------
@@ -354,6 +355,7 @@ class PipelineRuntime:
             res = [t for t in (res if isinstance(res, tuple | list) else (res,)) if t.requires_grad]
             torch.autograd.backward(res, [torch.ones_like(t) for t in res])
             out[s] = prog
+        self.planned = out  # every stage's program: the ledger reads the whole model's attention from them
         return out
 
     def _program_for(self, s: int):
