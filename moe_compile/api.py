@@ -21,7 +21,7 @@ from .frontend.baked_attrs import baked_attrs
 from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
-from .options import CompileOptions
+from .options import CompileOptions, schedule_without_pipeline
 from .program import Program
 from .runtime import (
     AllToAllTransport,
@@ -120,7 +120,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     program = Program(
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
-        cp_rank=groups.cp_rank if groups else 0,
+        cp_rank=groups.cp_rank if groups else 0, cp_seq_limit=cp_seq_limit(model) if spec.cp > 1 else None,
         codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}
@@ -178,19 +178,23 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
             "under context parallelism: only full causal attention is sharded exactly, these would mix tokens "
             "within one rank's shard only; use cp=1")
-    nope = [i for i, r in enumerate(getattr(cfg, "no_rope_layers", None) or []) if not r]
-    if getattr(cfg, "attn_temperature_tuning", False) and nope:
-        raise UnsupportedFeatureError(
-            f"mesh {spec}: attention temperature tuning in the NoPE layers {nope} (Llama 4: "
-            "config.attn_temperature_tuning) scales each query by its position, which it takes from the length of "
-            "the rank's shard (arange) rather than the token's place in the sequence, so under context parallelism "
-            f"it is wrong from S ≥ floor_scale ({getattr(cfg, 'floor_scale', '?')}) on; set "
-            "attn_temperature_tuning=False or use cp=1")
     convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
     if convs:
         raise UnsupportedFeatureError(
             f"mesh {spec}: {convs[0]} is a convolution (token mixing over the sequence, {len(convs)} such modules) "
             "that would see one rank's shard only under context parallelism; use cp=1")
+
+
+def cp_seq_limit(model: nn.Module) -> int | None:
+    """The sequence length from which context parallelism would be wrong for this model (None: none).
+    Llama 4's attention temperature tuning scales each query of its NoPE layers by log(⌊(pos + 1) /
+    floor_scale⌋ + 1), with pos from arange over the rank's shard rather than the sequence: every position
+    below floor_scale scales by 1 either way, so shorter sequences are exact."""
+    cfg = getattr(model, "config", None)
+    nope = [i for i, r in enumerate(getattr(cfg, "no_rope_layers", None) or []) if not r]
+    if getattr(cfg, "attn_temperature_tuning", False) and nope:
+        return int(getattr(cfg, "floor_scale", 8192)) - 1  # position floor_scale − 1 is the first scaled
+    return None
 
 
 def _check_not_compiled(model: nn.Module) -> None:
@@ -213,9 +217,8 @@ def _schedule_for(spec: MeshSpec, opts: CompileOptions):
     v = opts.stages_per_rank or (2 if opts.schedule == "interleaved_1f1b" else 1)
     check_schedule(opts.schedule, spec.pp, opts.microbatches, v)
     if spec.pp == 1:
-        if opts.given("schedule"):
-            raise OptionError(f"schedule={opts.schedule!r}: the mesh has pp=1, so no pipeline schedule runs (train_step "
-                              "accumulates its microbatches); drop schedule or set pp in the mesh")
+        if opts.changed("schedule"):
+            raise OptionError(schedule_without_pipeline(f"schedule={opts.schedule!r}"))
         if opts.pp_split is not None:
             raise OptionError(f"pp_split={list(opts.pp_split)}: the mesh has pp=1, so there are no pipeline stages "
                               "to split; drop pp_split or set pp in the mesh")

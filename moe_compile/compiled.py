@@ -79,7 +79,8 @@ class CompiledMoE(nn.Module):
 
             if args:
                 raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
-            out = self._run_compiled((), shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank))
+            out = self._run_compiled((), shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank,
+                                                     limit=self.program.cp_seq_limit))
             if getattr(out, "loss", None) is not None:
                 out.loss = LossSum.apply(out.loss, self.groups.cp)
             elif isinstance(out, tuple) and out and kwargs.get("labels") is not None:  # return_dict=False: loss first
@@ -144,7 +145,8 @@ class CompiledMoE(nn.Module):
             if self.program.mesh.cp > 1:
                 from .runtime.context_parallel import shard_batch
 
-                shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False)
+                shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False,
+                            limit=self.program.cp_seq_limit)
         except OptionError as e:
             err = e
         agree_on_batch(self.model, batch, err, same_batch=(self.groups.cp,) if self.groups is not None else ())

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .errors import MeshError, OptionError
 from .mesh import MeshSpec
+from .options import schedule_without_pipeline
 
 
 @dataclass(frozen=True)
@@ -202,8 +203,8 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
     cm = None
     try:
         pipelined = spec.pp > 1
-        if schedule is not None and not pipelined:
-            raise OptionError(f"--schedule {schedule}: the mesh has pp=1, so no pipeline schedule runs")
+        if schedule not in (None, "1f1b") and not pipelined:
+            raise OptionError(schedule_without_pipeline(f"--schedule {schedule}"))
         extra = {"microbatches": micro_batches} if pipelined else {}
         if schedule is not None:
             extra["schedule"] = schedule
@@ -220,7 +221,7 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
                 if spec.cp > 1:  # this rank's sequence shard, as a pipelined train_step cuts it
                     from .runtime.context_parallel import shard_batch
 
-                    mb = shard_batch(mb, spec.cp, cm.groups.cp_rank, count=False)
+                    mb = shard_batch(mb, spec.cp, cm.groups.cp_rank, count=False, limit=cm.program.cp_seq_limit)
                 programs = cm.pipeline.plan_stages(mb)
                 cm.pipeline._programs = [programs[s] for s in cm.pipeline.local]
                 pipeline = stage_rows(cm, programs)

@@ -110,19 +110,26 @@ class CompileOptions:
         if unknown:
             raise OptionError(f"unknown moe_compile option(s) {unknown}; known: {sorted(names)}")
         opts = cls(**kwargs)
-        object.__setattr__(opts, "_given", frozenset(kwargs))  # what the caller set (not a field: no option)
-        # an option given explicitly that the other options leave without effect: say so, not ignore it
-        if "dropless_headroom" in kwargs and opts.capacity_factor is not None:
+        # an option set to another value than its default where the other options leave it without effect:
+        # say so, not ignore it (its default passed along by a wrapper is fine)
+        if opts.changed("dropless_headroom") and opts.capacity_factor is not None:
             raise OptionError(f"dropless_headroom={opts.dropless_headroom!r} sizes dropless receive buffers, but "
                               f"capacity_factor={opts.capacity_factor!r} fixes the capacity: drop one of them")
-        if "mxfp8_scale_mode" in kwargs and opts.mxfp8 is None:
+        if opts.changed("mxfp8_scale_mode") and opts.mxfp8 is None:
             raise OptionError(f"mxfp8_scale_mode={opts.mxfp8_scale_mode!r} without mxfp8=...: nothing is "
                               "quantised; set mxfp8 too")
         return opts
 
-    def given(self, name: str) -> bool:
-        """Whether ``name`` was passed explicitly (to moe_compile), not left at its default."""
-        return name in getattr(self, "_given", ())
+    def changed(self, name: str) -> bool:
+        """Whether option ``name`` holds another value than its default."""
+        return getattr(self, name) != next(f.default for f in fields(self) if f.name == name)
+
+
+def schedule_without_pipeline(what: str) -> str:
+    """The refusal of a pipeline schedule other than the default on a mesh with pp = 1 (where it would be
+    ignored): moe_compile's, moe-compile train's and explain's."""
+    return (f"{what}: the mesh has pp=1, so no pipeline schedule runs (the microbatches accumulate); drop it or "
+            "set pp in the mesh")
 
 
 def as_integer(v: Any) -> int | None:

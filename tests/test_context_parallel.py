@@ -134,11 +134,17 @@ def unsharded_cp_worker(rank: int, world: int) -> list[str]:
         msgs.append(str(e))
     cm.close()
     llama4 = tiny_family_model("llama4_text", seed=0, attention_chunk_size=None, no_rope_layers=[0, 0],
-                               layer_types=["full_attention", "full_attention"])
-    try:
-        moe_compile(llama4, spec)
-    except UnsupportedFeatureError as e:
+                               layer_types=["full_attention", "full_attention"], floor_scale=16)
+    dense = copy.deepcopy(llama4)
+    cm = moe_compile(llama4, spec)
+    long = make_batches(1, 2, 16, seed=3)[0] % dense.config.vocab_size
+    try:  # positions from 15 on are scaled: refused; shorter sequences are exact
+        cm(input_ids=long, labels=long)
+    except OptionError as e:
         msgs.append(str(e))
+    short = long[:, :8]
+    msgs.append(abs(cm(input_ids=short, labels=short).loss.item() - dense(input_ids=short, labels=short).loss.item()))
+    cm.close()
     for reads in (False, True):
         cm = moe_compile(_ShiftsItself(reads), spec)
         try:
@@ -155,11 +161,12 @@ def test_context_parallel_refuses_what_a_shard_would_compute_wrongly():
     length), a model that shifts the already-shifted shard labels again or averages its shard (loss 11.1
     for 5.6)."""
     for msgs in run_ranks(unsharded_cp_worker, 2):
-        assert len(msgs) == 4, msgs
+        assert len(msgs) == 5, msgs
         assert "output_router_logits=True asks for the model's load-balancing loss" in msgs[0]
-        assert "attention temperature tuning in the NoPE layers [0, 1]" in msgs[1]
-        assert "reads labels and not shift_labels" in msgs[2]
-        assert "ignores num_items_in_batch" in msgs[3]
+        assert "a sequence of 16 tokens reaches position 15, where Llama 4's attention temperature" in msgs[1]
+        assert msgs[2] <= 1e-5 * 6, msgs[2]  # S = 8 < floor_scale: the dense model's loss (≈ 5.5)
+        assert "reads labels and not shift_labels" in msgs[3]
+        assert "ignores num_items_in_batch" in msgs[4]
 
 
 @pytest.mark.slow

@@ -282,6 +282,15 @@ def test_bad_options(kw, match):
         moe_compile(build_model("tiny"), **kw)
 
 
+def test_defaults_passed_along_are_not_refused():
+    """A wrapper that forwards every option at its default (argparse defaults, **asdict(cfg)) is fine: only
+    a value the other options would ignore is refused."""
+    cm = moe_compile(build_model("tiny"), schedule="1f1b", mxfp8_scale_mode="rceil", dropless_headroom=1.5,
+                     capacity_factor=1.25, debug_pictures=False)
+    assert cm.program.options.capacity_factor == 1.25
+    cm.close()
+
+
 def test_eager_logical_op_refuses_to_run_partitioned():
     """The logical routed-experts op never silently computes with a subset of experts."""
     from moe_compile.errors import RuntimeFault

@@ -372,7 +372,9 @@ def mx_ledger_worker(rank: int, world: int) -> dict:
     cm.reset_stats()
     cm(input_ids=ids, labels=ids).loss.backward()
     led = cm.ledger().to_dict()
-    out = {"moved": cm.stats()["bytes_moved_by_kind"], "ledger": led}
+    pools = cm.lease_runtime().pools.values()
+    out = {"moved": cm.stats()["bytes_moved_by_kind"], "ledger": led,
+           "sym": sum(pool.buf.local.numel() * pool.buf.local.element_size() for pool in pools)}
     cm.close()
     return out
 
@@ -381,8 +383,14 @@ def test_mxfp8_rows_in_traffic_and_saved_figures():
     """Under mxfp8 dispatch and the combine mirror carry packed rows of d + d/32 bytes and the receive
     buffer backward keeps is packed too; the ledger counted d·b_a for them (V_dispatch 16384 B against
     8448 B moved, M_saved_moe 92992 against 81088 in the graph; bf16 tiny LM on ep_mp=2)."""
-    for r in run_ranks(mx_ledger_worker, 2):
+    results = run_ranks(mx_ledger_worker, 2)
+    for r in results:
         led, moved = r["ledger"], r["moved"]
         assert moved["ep_mp/dispatch"] == led["V_dispatch"] < moved["ep_mp/combine"]
         assert moved["ep_mp/combine_backward"] == led["V_combine_backward"]
         assert led["M_saved_moe"] == led["M_saved_moe_graph"] > 0
+        assert led["M_sym"] == r["sym"] > 0  # read from the lease plan: the pools' packed payloads
+    # all four directions: a rank returns (combine, dispatch mirror) what it received, so over the EP-MP
+    # group the bytes moved are the ranks' V_ep_mp exactly
+    assert sum(sum(v for k, v in r["moved"].items() if k.startswith("ep_mp/")) for r in results) == \
+        sum(r["ledger"]["V_ep_mp"] for r in results)

@@ -289,7 +289,7 @@ def test_an_attribute_the_replaced_code_read_is_checked_before_each_run():
     model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
     for layer in model.layers:
         blk = layer.mlp
-        blk.temperature = 1.0
+        blk.temperature, blk.stat_lr, blk.updates = 1.0, 1e-3, 0
 
         class Tempered(type(blk)):
             def forward(self, hidden):
@@ -297,6 +297,10 @@ def test_an_attribute_the_replaced_code_read_is_checked_before_each_run():
                 w, idx = (self.router(x).float() / self.temperature).softmax(-1).topk(self.top_k, -1)
                 w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
                 return self.expert_mix(x, idx, w).reshape(hidden.shape), x.new_zeros(())
+
+            def between_steps(self):  # the user's code, still running: what it reads or updates is live
+                self.updates += 1
+                return self.stat_lr * self.updates
 
         blk.__class__ = Tempered
     ref = copy.deepcopy(model)
@@ -313,6 +317,8 @@ def test_an_attribute_the_replaced_code_read_is_checked_before_each_run():
         with pytest.raises(OptionError, match=r"layers\.0\.mlp\.temperature was 1\.0 when compiling and is 0\.5"):
             run()
     model.layers[0].mlp.temperature = 1.0
+    model.layers[0].mlp.stat_lr = 5e-4  # read by a method the compiled form does not replace: not checked
+    model.layers[0].mlp.between_steps()
     assert_step_matches_dense(cm, ref, ids)
     cm.close()
 

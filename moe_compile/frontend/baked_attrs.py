@@ -29,21 +29,41 @@ from .spec import MoEBlockSpec
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _self_attrs(fn: ast.AST, ctx: type) -> set[str]:
+    return {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ctx)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
 @cache
 def _self_reads(cls: type) -> frozenset[str]:
-    """Names read as ``self.<name>`` in the methods the user's classes define (torch's own classes and
-    classes without source contribute none)."""
-    names: set[str] = set()
-    for k in cls.__mro__:
+    """Names the replaced ``forward`` reads as ``self.<name>``, directly or through the methods it calls
+    (``self.route(...)``), in the user's classes (torch's own and classes without source contribute none).
+    Not recorded: what a method other than ``__init__`` assigns — state the user's code keeps updating (a
+    counter, a bias step a method between steps reads), not a compile-time constant."""
+    methods: dict[str, ast.AST] = {}
+    for k in reversed(cls.__mro__):  # a subclass's method overrides its base's
         if k.__module__.split(".")[0] in ("torch", "builtins", "moe_compile"):  # not the user's code
             continue
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(k)))
         except (OSError, TypeError, SyntaxError):
             continue
-        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
-                  and isinstance(n.value, ast.Name) and n.value.id == "self"}
-    return frozenset(names - {"training"})
+        body = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+        for fn in body.body if body is not None else ():
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                methods[fn.name] = fn
+    reads: set[str] = set()
+    todo, seen = ["forward"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in methods:
+            continue
+        seen.add(name)
+        found = _self_attrs(methods[name], ast.Load)
+        todo += [a for a in found if a in methods]
+        reads |= found - set(methods)
+    updated = set().union(*(_self_attrs(fn, ast.Store) for n, fn in methods.items() if n != "__init__"))
+    return frozenset(reads - updated - {"training"})
 
 
 @dataclass
@@ -55,7 +75,7 @@ class BakedAttrs:
     def changed(self, where: str) -> OptionError | None:
         for path, mod, name, value in self.entries:
             now = getattr(mod, name, _MISSING)
-            if now is not value and now != value:
+            if now is not value and (type(now) is not type(value) or now != value):  # a tensor: no __eq__ call
                 shown = "deleted" if now is _MISSING else repr(now)
                 return OptionError(
                     f"{where}: {path}.{name} was {value!r} when compiling and is {shown} now; the compiled "
@@ -68,8 +88,10 @@ _MISSING = object()
 
 
 def _replaced_modules(block: nn.Module, spec: MoEBlockSpec) -> list[tuple[str, nn.Module]]:
-    """The modules whose forward the canonical form replaced: the experts (every module under them), the
-    router, and in block mode the block itself (not its shared expert or gate: those still run)."""
+    """The modules whose forward the canonical form replaced: the experts (every module under them: a fused
+    experts module; an nn.ModuleList of FFNs was swapped for the canonical weights already, so the model no
+    longer holds those modules), the router, and in block mode the block itself (not its shared expert or
+    gate: those still run)."""
     out = []
     if spec.mode == "block":
         out.append(("", block))

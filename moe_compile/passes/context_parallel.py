@@ -153,14 +153,15 @@ def _check_loss_inputs(nodes: list[fx.Node], mesh, cp: int) -> None:
     batch mean. A forward that reads ``labels`` but not ``shift_labels`` would shift the shard again,
     and one that ignores ``num_items_in_batch`` would sum shard means: refused (they were silently off,
     loss 11.1 for 5.6)."""
-    labels, shifted = _reads(nodes, r"(?<!shift_)labels"), _reads(nodes, r"shift_labels")
+    # the batch inputs' placeholders (l_kwargs_labels_, …): a parameter's name ends in its own (…_weight_)
+    labels, shifted = _reads(nodes, r"(?<!_shift)_labels_?$"), _reads(nodes, r"_shift_labels_?$")
     if labels and not shifted:
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) passes each rank's shard its labels already shifted, as shift_labels= "
             "(transformers' causal-LM loss reads them as they are), but the model's forward reads labels and not "
             "shift_labels, so it would shift them again within the shard: take shift_labels (and "
             "num_items_in_batch) as transformers' loss_function does, or use cp=1")
-    if (labels or shifted) and mesh.pp == 1 and not _reads(nodes, r"num_items_in_batch"):
+    if (labels or shifted) and mesh.pp == 1 and not _reads(nodes, r"_num_items_in_batch_?$"):
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) sums the ranks' losses, so each shard's loss must be its token sum over "
             "the whole batch's num_items_in_batch (passed with shift_labels); the model's forward ignores "

@@ -8,9 +8,9 @@ stop that rank only: its peers waited in their first collective until the timeou
 caught the error and went on, paired that step's collectives with the refusing rank's next step.
 
 So each rank makes its own checks first (``err``: an OptionError or None), then one small all-reduce
-(MAX of [refused, bad ids, bad labels] · (rank + 1)) and one host read decide for all: every rank raises
+(MAX of [refused, bad ids, bad labels, batch differs] · (rank + 1)) and one host read decide for all: every rank raises
 an OptionError before anything runs — the refusing rank its own message, the others naming it — and the
-next step starts clean on every rank. Cost: one all-reduce of 3 int64 and one host read per train_step
+next step starts clean on every rank. Cost: one all-reduce of 4 int64 and one host read per train_step
 (on a GPU the read waits for the work already queued, once per step, before the step's first kernel).
 ``cm(...)`` alone (forward only, or the user's own loop) is not agreed: it refuses on the host, locally.
 
@@ -38,9 +38,15 @@ from . import token_range
 _SUFFIX = "; no rank started the step"
 
 
+_CHUNK = 1 << 20  # elements hashed at once: int64 temporaries of 8 MiB, whatever the batch's size
+_MIX = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)  # odd 64-bit multipliers (wrapping int64 arithmetic)
+
+
 def fingerprint(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
     """One int64 (a tensor on ``device``: no host read) of a batch's tensors: equal for equal batches; another
-    name, shape, dtype or value changes it (almost surely: position-weighted sums, wrapping int64)."""
+    name, shape, dtype or value changes it almost surely: each element is mixed with its position through
+    multiplications and an xor-shift before the wrapping sum, so permuted or offsetting changes (which a
+    weighted sum alone would miss) change it too."""
     fp = torch.zeros((), dtype=torch.int64, device=device)
     for k in sorted(batch):
         v = batch[k]
@@ -48,23 +54,36 @@ def fingerprint(batch: dict[str, Any], device: torch.device) -> torch.Tensor:
             continue
         flat = v.detach().reshape(-1)
         if v.is_floating_point() or v.is_complex():  # the bits, as integers
-            flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.int64))
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
+            flat = flat.contiguous().view(torch.uint8).view(-1, flat.element_size()).to(torch.int64)
+            flat = (flat << (8 * torch.arange(flat.shape[1], device=flat.device))).sum(1)
         tag = zlib.crc32(f"{k}{tuple(v.shape)}{v.dtype}".encode())  # not hash(): salted per process
-        fp = fp * 1_000_003 + tag + (flat.to(torch.int64) * weights).sum().to(device)
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for lo in range(0, flat.numel(), _CHUNK):
+            x = flat[lo: lo + _CHUNK].to(torch.int64)
+            h = x * _MIX[0] + torch.arange(lo + 1, lo + 1 + x.numel(), dtype=torch.int64, device=x.device)
+            h = (h ^ (h >> 29)) * _MIX[1]
+            total = total + (h ^ (h >> 32)).sum()
+        fp = fp * 1_000_003 + tag + total.to(device)
     return fp & (2**62 - 1)
 
 
-def _same_batch_mismatch(batch: dict[str, Any], groups: list, device: torch.device) -> torch.Tensor:
+def _same_batch_mismatch(batch: dict[str, Any], groups: list, device: torch.device) -> tuple[torch.Tensor, str | None]:
     """Whether the ranks of any of ``groups`` hold different batches (MAX of (fp, -fp) per group), as a bool
-    tensor on ``device``."""
-    fp = fingerprint(batch, device)
+    tensor on ``device``; and why this rank could not fingerprint its batch (it still takes part in the
+    reductions, so its peers do not wait)."""
     differs = torch.zeros((), dtype=torch.bool, device=device)
+    if not groups:
+        return differs, None
+    why = None
+    try:
+        fp = fingerprint(batch, device)
+    except (RuntimeError, TypeError) as e:  # a tensor it cannot read as integers (sparse, say)
+        fp, why = torch.zeros((), dtype=torch.int64, device=device), f"{type(e).__name__}: {e}"
     for g in groups:
         t = torch.stack([fp, -fp])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
         differs = differs | (t[0] != -t[1])
-    return differs
+    return differs, why
 
 
 def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | None, where: str = "train_step",
@@ -76,25 +95,23 @@ def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | N
     ids, labels = (t if token_range.is_integer_tensor(t) else None for t in (batch.get("input_ids"), batch.get("labels")))
     device = next(model.parameters()).device
     no = torch.zeros((), dtype=torch.bool, device=device)
-    differs = _same_batch_mismatch(batch, [g for g in same_batch if g is not None], device)
-    mine = torch.stack([torch.full((), err is not None, device=device) | differs,
+    differs, why = _same_batch_mismatch(batch, [g for g in same_batch if g is not None], device)
+    if why is not None and err is None:
+        err = OptionError(f"{where}: the batch could not be compared with the pipeline's and CP group's ({why})")
+    mine = torch.stack([torch.full((), err is not None, device=device),
                         token_range.bad_ids(ids, vocab).any().to(device) if vocab and ids is not None else no,
                         token_range.bad_labels(labels, vocab).any().to(device)
-                        if vocab and labels is not None and labels.dim() > 0 else no])
+                        if vocab and labels is not None and labels.dim() > 0 else no, differs])
     shared = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if shared else 0
     flag = mine.to(torch.int64) * (rank + 1)  # which rank, for the others' message
     if shared:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    refused, ids_rank, labels_rank = (r - 1 for r in flag.tolist())  # the one host read
-    if max(refused, ids_rank, labels_rank) < 0:
+    refused, ids_rank, labels_rank, differ_rank = (r - 1 for r in flag.tolist())  # the one host read
+    if max(refused, ids_rank, labels_rank, differ_rank) < 0:
         return
     if err is not None:
         raise OptionError(f"{err}{_SUFFIX}") from err
-    if bool(differs):
-        raise OptionError(f"{where}: the ranks of this rank's pipeline or context-parallel group passed different "
-                          "batches; every rank of one pipeline and of one CP group passes the same batch (shard the "
-                          f"data by data-parallel replica, not by global rank){_SUFFIX}")
     bad = mine.tolist()
     if bad[1]:
         raise OptionError(token_range.ids_message(where, ids, vocab) + _SUFFIX)
@@ -102,6 +119,11 @@ def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | N
         raise OptionError(token_range.labels_message(where, labels, vocab) + _SUFFIX)
     if refused >= 0:
         raise OptionError(f"{where}: rank {refused} refused its batch (its error is raised there){_SUFFIX}")
+    if differ_rank >= 0:
+        mine_differ = " this rank's" if bad[3] else f" rank {differ_rank}'s"
+        raise OptionError(f"{where}: the ranks of{mine_differ} pipeline or context-parallel group passed different "
+                          "batches; every rank of one pipeline and of one CP group passes the same batch (shard the "
+                          f"data by data-parallel replica, not by global rank){_SUFFIX}")
     which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
     raise OptionError(f"{where}: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
                       f"(its error is raised there){_SUFFIX}")

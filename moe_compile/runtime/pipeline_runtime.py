@@ -316,7 +316,8 @@ class PipelineRuntime:
 
             labels = kwargs["labels"]
             _refuse_position_ids(kwargs)
-            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False)
+            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False,
+                                 limit=self.cm.program.cp_seq_limit)
             # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
             # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
             local = (kwargs["shift_labels"] != -100).reshape(m, -1).sum(1).double()
@@ -385,7 +386,7 @@ class PipelineRuntime:
             from .context_parallel import shard_batch
 
             _refuse_position_ids(kwargs)
-            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank)
+            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank, limit=self.cm.program.cp_seq_limit)
         outputs = ("logits", "loss") if kwargs.get("labels") is not None else ("logits",)
         key = (outputs, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in kwargs.items()
                                      if isinstance(v, torch.Tensor))))

@@ -23,6 +23,7 @@ from ..mxfp8 import check_block_dim, quantize_packed
 # follow the anchor parameter, and some updates leave its version counter alone: fused optimizers
 # (AdamW(fused=True) on CPU) and writes through ``.data``; a step counted here marks every cache stale.
 _optimizer_steps = 0
+_step_hook = None  # registered with the first store, so importing the package changes no optimizer
 
 
 def _count_step(*_args) -> None:
@@ -30,13 +31,17 @@ def _count_step(*_args) -> None:
     _optimizer_steps += 1
 
 
-register_optimizer_step_post_hook(_count_step)
+def _watch_optimizer_steps() -> None:
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_step)
 
 
 class FP8WeightStore:
     def __init__(self, param: nn.Parameter, name: str, mode: str = "rceil") -> None:
         check_block_dim(param.shape[-1], f"{name} (forward contraction, shape {tuple(param.shape)})")
         check_block_dim(param.shape[-2], f"{name} (input-gradient contraction, shape {tuple(param.shape)})")
+        _watch_optimizer_steps()
         self.param = param
         self.name = name
         self.mode = mode
@@ -68,7 +73,8 @@ class FP8WeightStore:
 
     def _anchor_state(self) -> tuple[int, int, int]:
         """What tells an anchor update: its version (in-place writes), its storage (``p.data = ...``,
-        vector_to_parameters) and the process's optimizer steps (fused kernels, ``.data`` writes)."""
+        vector_to_parameters; a new storage at the old address — two swaps between forwards under a caching
+        allocator — is missed) and the process's optimizer steps (fused kernels, ``.data`` writes)."""
         return self.param._version, self.param.data_ptr(), _optimizer_steps
 
     def cache(self, orientation: str) -> torch.Tensor:

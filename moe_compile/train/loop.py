@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..errors import OptionError
 from ..mesh import MeshSpec
 from ..models import TinyMoEConfig
-from ..options import positive_finite
+from ..options import positive_finite, schedule_without_pipeline
 from .data import check_data_file
 from .optimizer import OLMoDDPOptimizer, StepResult
 
@@ -84,19 +84,21 @@ class TrainConfig:
             raise OptionError(f"--lr {self.lr}, --weight-decay {self.weight_decay}: must be finite and ≥ 0")
         if self.max_grad_norm is not None and not (self.max_grad_norm >= 0):
             raise OptionError(f"--max-grad-norm {self.max_grad_norm}: must be ≥ 0 (0: no clipping)")
-        per_row = 4 if self.precision == "fp32" else 8  # elements in 16 bytes: fp32 | bf16 weights
-        if self.model != "tiny" and self.d_model % per_row:  # transformers' grouped_mm experts: 16-byte aligned rows
-            raise OptionError(f"--d-model {self.d_model}: a transformers family's fused experts (grouped_mm) need "
-                              f"rows of a multiple of 16 bytes, so at --precision {self.precision} it must be a "
-                              f"multiple of {per_row}")
+        # an HF family's tiny config (models/hf.py): 4 attention heads of an even width (rotary embeddings),
+        # rows of its fused experts 16-byte aligned (transformers' grouped_mm), MXFP8 blocks of 32 along d
+        step = 32 if self.precision == "mxfp8" else 8
+        if self.model != "tiny" and self.d_model % step:
+            raise OptionError(f"--d-model {self.d_model}: a transformers family's tiny model needs a multiple of {step} "
+                              f"at --precision {self.precision} (4 attention heads of an even width for rotary "
+                              "embeddings, expert rows of 16 bytes for grouped_mm"
+                              + (", MXFP8 blocks of 32)" if step == 32 else ")"))
         if self.model == "tiny" and self.d_model % TinyMoEConfig.n_heads:
             raise OptionError(f"--d-model {self.d_model}: the tiny model's {TinyMoEConfig.n_heads} attention heads "
                               "split it evenly, so it must be a multiple of them")
         if self.capacity_factor is not None and not positive_finite(self.capacity_factor):  # before any rank starts
             raise OptionError(f"--capacity-factor {self.capacity_factor}: must be a positive number")
-        if self.schedule is not None and (MeshSpec.parse(self.mesh).pp if self.mesh else 1) == 1:
-            raise OptionError(f"--schedule {self.schedule}: the mesh has pp=1, so no pipeline schedule runs (the "
-                              "microbatches accumulate); drop it or give pp= in --mesh")
+        if self.schedule not in (None, "1f1b") and (MeshSpec.parse(self.mesh).pp if self.mesh else 1) == 1:
+            raise OptionError(schedule_without_pipeline(f"--schedule {self.schedule}"))
         if self.log_every < 1:
             raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
         if self.data:  # before any rank is spawned: a missing file is exit 2, not a failure on every rank
