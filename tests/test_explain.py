@@ -128,6 +128,9 @@ def test_explain_pipeline_with_context_parallelism(tmp_path):
     data = json.loads((out / "ledger.json").read_text())
     assert data["symbols"]["T"] == 2 * 64 // 2 and data["R"] == data["symbols"]["T"] * data["symbols"]["K"]
     assert data["F_step_rank"] > 0  # attention read from every planned stage's graph (was n/a)
+    # a rank's stage holds one of the two MoE layers: 2 microbatches × 1 layer × R rows of d = 64 fp32 (they
+    # counted both layers, twice what a pp=2 rank moves)
+    assert data["V_dispatch"] == 2 * 1 * data["R"] * 64 * 4
 
 
 @pytest.mark.slow

@@ -271,10 +271,23 @@ def measured_worker(rank: int, world: int) -> dict:
 
     olmo = OLMoDDPOptimizer(cm, lr=1e-3)  # ZeRO-1: FP32 main and moments of this rank's share of each family
     olmo_state = sum(t.numel() * t.element_size() for f in olmo.families for t in f.state.values())
+    name = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+    gathered, orig = [], getattr(torch.distributed, name)  # the collective the copy-back calls
+
+    def counting(out, inp, group=None, **kw):  # ring all-gather: this rank's share goes to the n − 1 others
+        gathered.append((torch.distributed.get_world_size(group) - 1) * inp.numel() * inp.element_size())
+        return orig(out, inp, group=group, **kw)
+
+    setattr(torch.distributed, name, counting)
+    try:
+        olmo.copy_back()  # what follows every optimizer step
+    finally:
+        setattr(torch.distributed, name, orig)
     return {
         "ledger": led.to_dict(),
         "ledger_sharded": cm.ledger(sharded_optimizer=True).to_dict(),
         "olmo_state_bytes": olmo_state,
+        "main_gather_sent": sum(gathered),
         "peak": allocator_peak(prof),
         "moved": st["bytes_moved_by_kind"],
         "sent": st["bytes_sent_by_kind"],
@@ -351,6 +364,9 @@ def test_persistent_state_and_buckets_match(measured):
         state = sharded["M_main"] + sharded["M_opt"]
         assert abs(state / r["olmo_state_bytes"] - 1) < 0.02, (state, r["olmo_state_bytes"])
         assert sharded["M_grads"] == 4 * led["P_local"]  # FP32 main_grad buckets
+        assert abs(sharded["V_main_gather"] / r["main_gather_sent"] - 1) < 0.02, (sharded["V_main_gather"],
+                                                                                r["main_gather_sent"])
+        assert led["V_main_gather"] == 0  # a replicated optimizer gathers nothing
 
 
 @pytest.mark.slow
@@ -394,3 +410,23 @@ def test_mxfp8_rows_in_traffic_and_saved_figures():
     # group the bytes moved are the ranks' V_ep_mp exactly
     assert sum(sum(v for k, v in r["moved"].items() if k.startswith("ep_mp/")) for r in results) == \
         sum(r["ledger"]["V_ep_mp"] for r in results)
+
+
+def test_ledger_follows_the_program_options():
+    """The ledger's step figures take the compiled microbatches (they counted one: half a two-microbatch
+    step's traffic and tokens); with a capacity factor the dropless-only figures are n/a (they described
+    a buffer the run does not have); under mxfp8="all" the caches of the dense linears count too (they
+    were left out: 43% under on qwen2_moe)."""
+    cm = moe_compile(build_model("tiny"), MeshSpec(), microbatches=2, capacity_factor=1.0)
+    ids = make_batches(1, batch=4, seq=16)[0]
+    cm.train_step(input_ids=ids, labels=ids)
+    led = cm.ledger()
+    assert led.values["m"] == 2 and led.values["B"] == 4 * 16  # both microbatches: the step's 64 tokens
+    assert led["C"] > 0 and all(led[n] is None for n in ("C_rho", "C_bound", "M_recv_rho", "M_recv_bound"))
+    cm.close()
+    cm = moe_compile(build_model("tiny").to(torch.bfloat16), MeshSpec(), mxfp8="all")
+    cm(input_ids=ids, labels=ids).loss.backward()
+    caches = sum(c.numel() * c.element_size() for s in cm.compute_weights() for c in s.caches.values())  # all
+    dense = sum(c.numel() * c.element_size() for s in cm.program.dense_weight_stores.values() for c in s.caches.values())
+    assert 0 < dense < caches and cm.ledger()["M_mxfp8"] == caches
+    cm.close()

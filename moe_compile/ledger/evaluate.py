@@ -12,7 +12,7 @@ graphs (saved activations, working-memory high-water) and the lease plan (symmet
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -156,8 +156,8 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
                   micro_batches: int, optimizer_state_bytes: int, main_weights: bool | None, mxfp8: bool,
                   activation_dtype: torch.dtype | None, tokens: int | None,
                   seq_len: int | None, dropless_factor=None, dropless_headroom=None,
-                  load_imbalance: float | None = None,
-                  sharded_optimizer: bool = False) -> tuple[dict[str, int | float | None], list[str]]:
+                  load_imbalance: float | None = None, sharded_optimizer: bool = False,
+                  mx_dense_params: int = 0) -> tuple[dict[str, int | float | None], list[str]]:
     notes: list[str] = []
     spec, dnode = _dispatch_spec(graphs)
     if spec is not None:
@@ -181,7 +181,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         h_d=h_d, rho=load_imbalance,
         m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=4 if sharded_optimizer else b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
         b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8),
-        z_1=int(sharded_optimizer), H=None,
+        z_1=int(sharded_optimizer), P_mx_dense=mx_dense_params, H=None,
         L_attn=None, d_qk=None, d_v=None,
     )
     if shape.m_s:
@@ -256,15 +256,21 @@ def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | Non
                             for k, v in values.items() if v is not None}, notes)
 
 
-def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, main_weights: bool | None = None,
+DROPLESS_ONLY = ("C_rho", "C_bound", "M_recv_rho", "M_recv_uniform", "M_recv_bound")
+
+
+def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: int = 8, main_weights: bool | None = None,
                tokens: int | None = None, seq_len: int | None = None, load_imbalance: float | None = None,
                sharded_optimizer: bool = False) -> Ledger:
     """The ledger of a CompiledMoE (see :meth:`CompiledMoE.ledger`). ``load_imbalance`` ρ (the most rows one
     rank receives / T·K) sets the dropless figures C_rho, M_recv_rho; default: the observed high-water
-    of the steps run so far (1 before any). ``sharded_optimizer``: the persistent state of
+    of the steps run so far (1 before any). ``micro_batches``: default the program's ``microbatches``
+    (what one train_step runs). ``sharded_optimizer``: the persistent state of
     OLMoDDPOptimizer (FP32 main_grad buckets, FP32 main weights and moments ZeRO-1 sharded over each
     family's replicas) instead of a replicated optimizer over the parameters' own gradients."""
     prog = cm.program
+    if micro_batches is None:
+        micro_batches = prog.options.microbatches
     state = find_dropless_state(prog.ctx_id) if prog.options.capacity_factor is None else None
     if load_imbalance is None and state is not None and state.high_water and state.blocks:
         load_imbalance = state.high_water / max(r for r, _ in state.blocks.values())
@@ -285,6 +291,7 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
         mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
         dropless_factor=state.factor if state is not None else None, load_imbalance=load_imbalance or 1,
         dropless_headroom=prog.options.dropless_headroom, sharded_optimizer=sharded_optimizer,
+        mx_dense_params=sum(s.param.numel() for s in prog.dense_weight_stores.values()),
     )
     gm = None
     if "forward" in graphs:
@@ -293,6 +300,10 @@ def ledger_for(cm, *, micro_batches: int = 1, optimizer_state_bytes: int = 8, ma
     if plan is not None and values.get("H") is None:
         values["H"] = max(plan.high_water.values(), default=0)
     led = evaluate(values, gm, plan, notes)
+    if prog.options.capacity_factor is not None:  # a fixed capacity: the dropless figures describe no buffer here
+        for name in DROPLESS_ONLY:
+            f = led.figures[name]
+            led.figures[name] = replace(f, value=None, note="dropless only (capacity_factor is set)")
     led.values["P_dense_measured"] = counts.dense
     led.values["P_E_measured"] = counts.expert_total
     led.values["P_local_measured"] = counts.local

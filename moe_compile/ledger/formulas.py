@@ -23,6 +23,7 @@ from .symbols import (
     N,
     P_bb,
     P_lookup,
+    P_mx_dense,
     P_vec,
     S,
     T,
@@ -125,9 +126,10 @@ P_owned = _def("P_owned", (P_dense / (1 + z_1 * (dp * cp - 1)) + P_E / (ep_mp * 
 M_main = _def("M_main", P_owned * b_main, "bytes", "persistent", "FP32 main weights")
 M_opt = _def("M_opt", P_owned * b_opt, "bytes", "persistent",
              "optimizer states (replicated over dp, or ZeRO-1 sharded with z_1 = 1)")
-M_mx = _def("M_mxfp8", q_mx * 2 * (1 + sp.Rational(1, 32)) * P_E / (pp * ep_mp), "bytes", "persistent",
-            "MXFP8 compute-weight caches of the local experts: 1-byte qdata plus one E8M0 scale per 32 "
-            "elements, in two orientations (forward and transposed)")
+M_mx = _def("M_mxfp8", 2 * (1 + sp.Rational(1, 32)) * (q_mx * P_E / (pp * ep_mp) + P_mx_dense), "bytes",
+            "persistent", "MXFP8 compute-weight caches of the local experts (and of the dense linears under "
+            "mxfp8='experts+shared' | 'all'): 1-byte qdata plus one E8M0 scale per 32 elements, in two "
+            "orientations (forward and transposed)")
 _def("M_persistent", M_w + M_g + M_main + M_opt + M_mx, "bytes", "persistent", "persistent training state per rank")
 
 # -- execution working memory (bytes per rank, one micro-batch) -----------------------------------
@@ -149,13 +151,15 @@ M_saved_layer = _def(
 _def("M_ffn_workspace", C * ((5 + 2 * G) * h_e + d) * b_a, "bytes", "working",
      "bound on the temporaries inside one moe::grouped_ffn_backward (torch kernels: activation recompute, "
      "gate/up gradients, input gradient) on top of the graph's values")
-_def("M_saved_moe", L * M_saved_layer, "bytes", "working", "MoE tensors kept for backward, all MoE layers")
+_def("M_saved_moe", L / pp * M_saved_layer, "bytes", "working",
+     "MoE tensors kept for backward, the rank's MoE layers (L/pp; without activation checkpointing, which "
+     "recomputes some of them)")
 _def("M_sym", H * C * _mx_row, "bytes", "working",
      "symmetric payloads at high-water: H receive buffers of C rows live at once (one family)")
 
 # -- traffic (bytes per rank per optimizer step) --------------------------------------------------
-V_row = m * L * R * d * b_a
-V_row_sent = m * L * R * _mx_row  # dispatch and the combine mirror carry MXFP8 rows under mxfp8
+V_row = m * L / pp * R * d * b_a  # the rank's stage holds L/pp of the MoE layers (layers split evenly over pp)
+V_row_sent = m * L / pp * R * _mx_row  # dispatch and the combine mirror carry MXFP8 rows under mxfp8
 for _kind, _what in (("dispatch", "dispatch"), ("combine_backward", "combine mirror")):
     _def(f"V_{_kind}", V_row_sent, "bytes", "traffic",
          f"ep_mp {_what}: the rank's T·K rows leaving through the transport, its own included (exact when "
@@ -176,13 +180,17 @@ V_exp = _def("V_expert_bucket", P_E / (pp * ep_mp) * b_g, "bytes", "traffic",
              "expert buckets all-reduced over ep_dp each step (0 traffic when ep_dp = 1)")
 _def("V_expert_sent", 2 * (ep_dp - 1) / ep_dp * V_exp, "bytes", "traffic",
      "expert reduction bytes each rank sends (ring all-reduce over ep_dp)")
+_def("V_main_gather", z_1 * b_main * ((dp * cp - 1) * P_dense / (dp * cp) + (ep_dp - 1) * P_E / (ep_mp * ep_dp)) / pp,
+     "bytes", "traffic", "ZeRO-1 copy-back: each rank sends its share of the FP32 main weights to the n − 1 "
+     "others of each family's replica group after the optimizer step (ring all-gather)")
 
 # -- compute ---------------------------------------------------------------------------------------
 F_fwd = _def("F_fwd_token", 2 * (P_active - P_lookup - P_vec) + 2 * L_attn * S * (d_qk + d_v), "FLOPs", "compute",
              "forward FLOPs per token: 2 per multiply-add of every active matmul parameter, plus attention "
              "scores and values over all S keys (the non-causal count torch's FLOP counter makes)")
 F_train = _def("F_train_token", 3 * F_fwd, "FLOPs", "compute", "training FLOPs per token (backward = 2 x forward)")
-_def("F_step_rank", F_train * B / cp, "FLOPs", "compute",
-     "training FLOPs per rank per optimizer step (B/cp = m·T tokens on this rank)")
+_def("F_step_rank", F_train * B / (cp * pp), "FLOPs", "compute",
+     "training FLOPs per rank per optimizer step (B/cp = m·T tokens on this rank, through its 1/pp of the "
+     "layers)")
 
 __all__ = ["FORMULAS", "Formula", "fig"]

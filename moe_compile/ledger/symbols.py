@@ -73,6 +73,8 @@ b_main = _sym("b_main", "bytes per parameter of FP32 main weights (4 with low-pr
               "0 when the optimizer updates FP32 compute weights directly)", "B")
 b_opt = _sym("b_opt", "optimizer-state bytes per parameter (AdamW: two FP32 moments = 8)", "B")
 q_mx = _sym("q_mx", "1 when routed experts run in MXFP8 (compute-weight caches exist), else 0")
+P_mx_dense = _sym("P_mx_dense", "dense parameters of this rank held as MXFP8 compute-weight caches "
+                  "(mxfp8='experts+shared' | 'all': shared-expert or every dense linear's weight), else 0", "params")
 z_1 = _sym("z_1", "1 when the optimizer shards its FP32 main weights and states ZeRO-1 over each family's "
            "replica group (dense dp·cp, experts ep_dp: OLMoDDPOptimizer), 0 when every replica holds them")
 
