@@ -148,7 +148,7 @@ class _Checker(HTMLParser):
 @pytest.mark.parametrize("with_plan", [True, False])
 def test_html_report_parses(tmp_path, with_plan):
     vals = {k: 2 for k in SYMBOLS}
-    vals.update(G=1, H=3, T=64, S=64)
+    vals.update(G=1, H=3, T=64, S=64, q_mx=0, z_1=0, P_mx_dense=0)  # the 0/1 flags (and MXFP8 counts) off
     led = evaluate(vals, lease_plan=plan() if with_plan else None)
     # with the plan: pools recv (slots 0, 1, 2) and send (slot 0) of 128 B a slot: (3 + 1)·128 = 512 B;
     # without: H·C·d·b_a, C = c_f·T·K = 2·64·2 = 256 rows: 3·256·2·2 = 3072 B

@@ -119,11 +119,11 @@ def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | N
         raise OptionError(token_range.labels_message(where, labels, vocab) + _SUFFIX)
     if refused >= 0:
         raise OptionError(f"{where}: rank {refused} refused its batch (its error is raised there){_SUFFIX}")
-    if differ_rank >= 0:
-        mine_differ = " this rank's" if bad[3] else f" rank {differ_rank}'s"
-        raise OptionError(f"{where}: the ranks of{mine_differ} pipeline or context-parallel group passed different "
-                          "batches; every rank of one pipeline and of one CP group passes the same batch (shard the "
-                          f"data by data-parallel replica, not by global rank){_SUFFIX}")
-    which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
-    raise OptionError(f"{where}: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
-                      f"(its error is raised there){_SUFFIX}")
+    if max(ids_rank, labels_rank) >= 0:  # named before a mismatch: a rank's own bad batch differs from its peers'
+        which, r = ("input_ids", ids_rank) if ids_rank >= 0 else ("labels", labels_rank)
+        raise OptionError(f"{where}: rank {r}'s {which} fall outside the model's vocabulary [0, {vocab}) "
+                          f"(its error is raised there){_SUFFIX}")
+    mine_differ = " this rank's" if bad[3] else f" rank {differ_rank}'s"
+    raise OptionError(f"{where}: the ranks of{mine_differ} pipeline or context-parallel group passed different "
+                      "batches; every rank of one pipeline and of one CP group passes the same batch (shard the "
+                      f"data by data-parallel replica, not by global rank){_SUFFIX}")
