@@ -37,8 +37,8 @@ def _train_parser(sub) -> None:
                    help="fp32; bf16 (model in BF16, FP32 main weights in the optimizer); mxfp8 (routed experts)")
     p.add_argument("--microbatches", "--grad-accum", dest="grad_accum", type=int, default=1, metavar="M",
                    help="microbatches per optimizer step (the pipeline schedule's m; at pp=1 accumulation)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default=None,
-                   help="pipeline schedule for a mesh with pp>1 (torch.distributed.pipelining; default 1f1b)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline schedule for a mesh with pp>1 (torch.distributed.pipelining)")
     p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
                    help="recompute in backward: selective (elementwise ops), moe (the MoE blocks), full (default: "
                    "none); the routing is saved in every mode")
@@ -140,8 +140,8 @@ def _explain_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
     p.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=1,
                    help="micro-batches per optimizer step (m; the pipeline schedule's, with pp>1)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default=None,
-                   help="pipeline schedule for a mesh with pp>1 (default 1f1b)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+                   help="pipeline schedule for a mesh with pp>1")
     p.add_argument("--capacity-factor", type=float, default=None, help="rank-level capacity (default: dropless)")
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (bfloat16, float32, float16)")
     p.add_argument("--no-png", action="store_true", help="write SVG graphs only")

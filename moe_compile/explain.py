@@ -170,7 +170,7 @@ class ExplainResult:
 def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None, hf_config: str | None = None,
             model: str | None = None, rank: int = 0, world: int | None = None, seq_len: int | None = None,
             batch_size: int = 1, micro_batches: int = 1, capacity_factor: float | None = None,
-            dtype: str = "bfloat16", png: bool = True, max_nodes: int = 350, schedule: str | None = None) -> ExplainResult:
+            dtype: str = "bfloat16", png: bool = True, max_nodes: int = 350, schedule: str = "1f1b") -> ExplainResult:
     """Compile for ``mesh`` as ``rank`` of a fake world and write the ledger, graphs and report."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -203,11 +203,9 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
     cm = None
     try:
         pipelined = spec.pp > 1
-        if schedule not in (None, "1f1b") and not pipelined:
+        if schedule != "1f1b" and not pipelined:
             raise OptionError(schedule_without_pipeline(f"--schedule {schedule}"))
-        extra = {"microbatches": micro_batches} if pipelined else {}
-        if schedule is not None:
-            extra["schedule"] = schedule
+        extra = {"microbatches": micro_batches, "schedule": schedule} if pipelined else {}
         cm = moe_compile(net, spec, capacity_factor=capacity_factor, **extra)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
         pipeline = None

@@ -32,7 +32,7 @@ class Program:
     codegen: str = "torch"  # resolved: torch | triton
     kernel_plans: dict[str, list] = field(default_factory=dict)  # graph kind → [(block, op, [LaunchPlan])]
     cp_rank: int = 0  # this rank's index in its context-parallel group
-    cp_seq_limit: int | None = None  # cp > 1: sequences at least this long are refused (api._check_context_parallel)
+    cp_seq_limit: int | None = None  # cp > 1: longer sequences are refused (api.cp_seq_limit)
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
     schedule: object = None  # moe_compile.schedules.ScheduleOrder of a pipeline, which plans are proven against

@@ -6,8 +6,8 @@ The canonical forms replace the experts' forward, the router's (components mode)
 temperature of 1.0 read as a plain softmax, a top-k read from ``router.top_k``), a clamp limit, a
 scaling factor. Changing such an attribute afterwards (``block.temperature = 2.0``,
 ``router.top_k = 4``) changed nothing in the program: the run went on with the compile-time value,
-silently. So the attributes that the replaced classes' own methods read as ``self.<name>`` and that
-hold a plain value are recorded, and a run that finds one changed is refused, naming the attribute,
+silently. So the attributes that the replaced ``forward`` reads as ``self.<name>`` (directly or through
+the methods it calls) and that hold a plain value are recorded, and a run that finds one changed is refused, naming the attribute,
 both values and the remedy (recompile from a fresh model). Modules whose forward still runs as the
 user wrote it (a block in components mode, a shared expert) read their attributes live and are not
 recorded. Cost: one getattr and compare per recorded attribute per call.

@@ -281,7 +281,7 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
                           f"L·N·(2+G)·d·h_e = {expected}")
     graphs = dict(prog.graphs)
-    planned = getattr(getattr(cm, "pipeline", None), "planned", None)
+    planned = cm.pipeline.planned if cm.pipeline is not None else None
     if "captured" not in graphs and planned:  # explain planned every stage here: the whole model's attention
         graphs["captured"] = [planned[s].graphs.get("captured") for s in sorted(planned)]
     act = next((p.dtype for n, p in cm.model.named_parameters() if p.is_floating_point()), None)

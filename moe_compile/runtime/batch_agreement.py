@@ -18,8 +18,8 @@ Every rank of one pipeline and of one CP group must pass the same batch (the sta
 one batch). A data loader sharded by global rank instead of by data-parallel replica gave them different
 batches, and the step trained on a mix of them — stage 0's ids with the last stage's labels, one
 sequence's shard attending to another's — with no error. So at pp > 1 or cp > 1 each rank also takes a
-fingerprint of its batch (shapes, and each tensor's position-weighted sum in wrapping int64 arithmetic)
-and compares it within those groups (one all-reduce of two int64 per group, before the world's); a
+fingerprint of its batch (names, shapes, dtypes, and each tensor's elements mixed with their positions
+in wrapping int64 arithmetic) and compares it within those groups (one all-reduce of two int64 per group, before the world's); a
 mismatch is refused like any other batch. Cost: those one or two small all-reduces per train_step.
 """
 

@@ -53,7 +53,7 @@ class TrainConfig:
     log_every: int = 1
     precision: str = "fp32"  # fp32 | bf16 (model in BF16, FP32 main weights) | mxfp8 (routed experts)
     grad_accum: int = 1  # m: microbatches per optimizer step (--microbatches)
-    schedule: str | None = None  # pipeline schedule, for a mesh with pp > 1 (None: moe_compile's, 1f1b)
+    schedule: str = "1f1b"  # pipeline schedule when the mesh has pp > 1 (another one at pp = 1 is refused)
     activation_checkpointing: str | None = None  # None | selective | moe | full (CompileOptions)
     dense_fusion: str = "auto"  # auto | inductor | none (CompileOptions; auto is none on CPU)
     ckpt: str | None = None
@@ -97,7 +97,7 @@ class TrainConfig:
                               "split it evenly, so it must be a multiple of them")
         if self.capacity_factor is not None and not positive_finite(self.capacity_factor):  # before any rank starts
             raise OptionError(f"--capacity-factor {self.capacity_factor}: must be a positive number")
-        if self.schedule not in (None, "1f1b") and (MeshSpec.parse(self.mesh).pp if self.mesh else 1) == 1:
+        if self.schedule != "1f1b" and (MeshSpec.parse(self.mesh).pp if self.mesh else 1) == 1:
             raise OptionError(schedule_without_pipeline(f"--schedule {self.schedule}"))
         if self.log_every < 1:
             raise OptionError(f"--log-every {self.log_every}: must be ≥ 1")
@@ -127,10 +127,9 @@ def compile_for(cfg: TrainConfig, model: nn.Module) -> Any:
 
     mesh = MeshSpec.parse(cfg.mesh) if cfg.mesh else MeshSpec()
     extra = {"mxfp8": "experts"} if cfg.precision == "mxfp8" else {}
-    if cfg.schedule is not None:  # given: moe_compile refuses it at pp = 1
-        extra["schedule"] = cfg.schedule
     return moe_compile(model, mesh, capacity_factor=cfg.capacity_factor, microbatches=cfg.grad_accum,
-                       activation_checkpointing=cfg.activation_checkpointing, dense_fusion=cfg.dense_fusion, **extra)
+                       schedule=cfg.schedule, activation_checkpointing=cfg.activation_checkpointing,
+                       dense_fusion=cfg.dense_fusion, **extra)
 
 
 def train_step(cm: Any, opt: OLMoDDPOptimizer, microbatches: list[torch.Tensor]) -> tuple[torch.Tensor, StepResult]:
