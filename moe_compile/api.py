@@ -140,9 +140,11 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     prepare_for_capture(model)
     if split is not None:
         from .runtime.pipeline_runtime import PipelineRuntime
+        from .runtime.stage_weights import release_foreign_weights
 
+        released = release_foreign_weights(model, program.owned, get_context(ctx_id), program.dense_weight_stores)
         cm = CompiledMoE(model, program, groups, ddp, None, baked)
-        cm.pipeline = PipelineRuntime(cm, split, schedule)
+        cm.pipeline = PipelineRuntime(cm, split, schedule, released)
         return cm
     compiled = compile_entry(_capture_entry(model), backend=MoEBackend(program), fullgraph=opts.fullgraph,
                              dynamic=False)

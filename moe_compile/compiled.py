@@ -39,7 +39,8 @@ class CompiledMoE(nn.Module):
     """An expert-parallel program built from a single-device MoE model.
 
     Called exactly like the original model, on every rank, each with its own micro-batch. Holds the
-    canonicalised model (``.model``): dense parameters replicated, routed experts sharded over ep_mp.
+    canonicalised model (``.model``): dense parameters replicated, routed experts sharded over ep_mp;
+    at pp > 1 the other stages' parameters hold no values (runtime/stage_weights.py).
     """
 
     def __init__(self, model: nn.Module, program: Program, groups: MeshGroups | None,

@@ -57,6 +57,7 @@ def pipeline_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
         dp_rank = spec.dense_coords(rank)[1]
         b = batches[dp_rank]
         loss = cm.train_step(input_ids=b, labels=b)
+        held = weight_storage(cm)
         grads = cm.full_grads()
         worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
         plan = cm.lease_plan()
@@ -69,16 +70,39 @@ def pipeline_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
             "eval_logits_err": rel_err(ev.logits, ref_eval[dp_rank][0]),
             "eval_loss": (ev.loss.item(), ref_eval[dp_rank][1].item()),
             "in_flight": dict(plan.in_flight) if plan is not None else None,
-            "stage": spec.dense_coords(rank)[0],
+            "stage": spec.dense_coords(rank)[0], "held": held, "after_eval": weight_storage(cm),
         })
         cm.close()
     return out
+
+
+def weight_storage(cm) -> dict[str, int]:
+    """Bytes of parameter storage this rank holds for its own stages' parameters and for the others'
+    (each distinct storage counted once), and the own parameters' logical bytes."""
+    own, other, seen = 0, 0, set()
+    logical = 0
+    for n, p in cm.model.named_parameters():
+        key = p.untyped_storage().data_ptr()
+        if cm.owns(n):
+            logical += p.numel() * p.element_size()
+        if key in seen:
+            continue
+        seen.add(key)
+        if cm.owns(n):
+            own += p.untyped_storage().nbytes()
+        else:
+            other += p.untyped_storage().nbytes()
+    foreign = sum(1 for n, _ in cm.model.named_parameters() if not cm.owns(n))
+    return {"own": own, "other": other, "logical": logical, "foreign_params": foreign}
 
 
 def check(results: list[list[dict]], in_flight: dict[str, dict] | None = None) -> None:
     for rank, per in enumerate(results):
         for r in per:
             tag = (rank, r["case"], r["worst"])
+            for held in (r["held"], r["after_eval"]):  # the other stages' weights hold one element each
+                assert held["foreign_params"] > 0 and held["other"] <= 8 * held["foreign_params"], (tag, held)
+                assert held["own"] == held["logical"], (tag, held)
             assert abs(r["loss"] - r["ref_loss"]) <= TOL * max(1.0, abs(r["ref_loss"])), (tag, r)
             assert r["names"], tag
             assert r["grad_err"] <= TOL, (tag, r["grad_err"])
@@ -588,3 +612,45 @@ def test_a_layer_that_is_the_moe_block_and_per_layer_inputs_from_later_modules()
     assert by_registration.owner["model.embed_tokens_per_layer.weight"] == 1
     check(run_ranks(pipeline_worker, 2, [{"mesh": "pp=2", "model": "family:gemma4_text", "m": 2,
                                           "schedule": "1f1b"}]))
+
+
+def pp_ledger_worker(rank: int, world: int) -> dict:
+    cm = moe_compile(_model("tiny", 2), "pp=2,ep_mp=2", microbatches=2, schedule="1f1b")
+    before = cm.ledger()
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    cm.train_step(input_ids=ids, labels=ids)
+    led = cm.ledger()
+    cm.close()
+    keys = ("F_fwd_token", "M_saved", "M_saved_moe_graph", "M_working")
+
+    def figures(x):
+        return {"T": x.values.get("T"), **{k: x.figures[k].value if k in x.figures else None for k in keys}}
+
+    return {"before": figures(before), "after": figures(led), "notes": led.notes}
+
+
+def test_ledger_after_a_real_pipeline_step(tmp_path):
+    """cm.ledger() after a real pp=2 step left T, the FLOPs and every graph figure n/a (the whole program
+    captured no graph; its stages did) and told the user to run a step. They now come from the rank's
+    stage programs and the first step's whole-model capture, and match explain's plan of the same stage
+    (meta tensors, a fake world): T = 2 sequences × 16 tokens of a microbatch, F_fwd_token equal, the
+    stage row's saved activations per microbatch within 0.1%."""
+    import json
+
+    from moe_compile.explain import explain
+
+    real = run_ranks(pp_ledger_worker, 4)
+    for rank in (0, 2):  # stage 0 and stage 1
+        out = tmp_path / f"r{rank}"
+        explain(mesh="pp=2,dp=2,ep_mp=2", out_dir=out, model="tiny", rank=rank, micro_batches=2, batch_size=2,
+                seq_len=16, dtype="float32", png=False)
+        planned = json.loads((out / "ledger.json").read_text())
+        row = next(r for r in planned["pipeline"]["stages"] if r["stage"] == rank // 2)
+        r = real[rank]
+        assert all(r["before"][k] is None for k in ("T", "M_saved")), r["before"]
+        assert r["after"]["T"] == 2 * 16, r
+        assert r["after"]["F_fwd_token"] == planned["F_fwd_token"] > 0, (r, planned["F_fwd_token"])
+        # within 0.1% as explain at cp=2 (the last stage: explain's differentiable meta cross-entropy saves 34 B more)
+        assert abs(r["after"]["M_saved"] - row["saved_bytes_per_microbatch"]) <= 0.001 * r["after"]["M_saved"], (r, row)
+        assert 0 < r["after"]["M_saved_moe_graph"] <= r["after"]["M_saved"] <= r["after"]["M_working"], r
+        assert any("this rank's stages [" in n for n in r["notes"]), r["notes"]

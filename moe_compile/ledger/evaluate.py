@@ -256,6 +256,42 @@ def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | Non
                             for k, v in values.items() if v is not None}, notes)
 
 
+def _pipeline_graphs(cm) -> tuple[dict, GraphMemory | None, str]:
+    """At pp > 1: the graphs the ledger reads and the graph memory of this rank's stages. Attention comes
+    from the whole model's capture (every stage's, as explain plans them, or the first step's); the
+    dispatch (T, activation dtype) from the first of this rank's stages that has one; graph memory sums
+    the stages' saved activations (one microbatch each) and takes the largest high-water (one stage
+    graph runs at a time)."""
+    pipe = cm.pipeline
+    progs = [p for p in pipe._stage_programs() if "forward" in p.graphs]
+    graphs: dict = {}
+    for p in progs:
+        if _dispatch_spec(p.graphs)[0] is not None:
+            graphs = {k: v for k, v in p.graphs.items() if k in ("partitioned", "joint", "forward")}
+            break
+    if pipe.planned:
+        graphs["captured"] = [pipe.planned[s].graphs.get("captured") for s in sorted(pipe.planned)]
+    elif pipe.captured is not None:
+        graphs["captured"] = pipe.captured
+    if not progs:
+        return graphs, None, ("pp > 1: token and graph figures come from this rank's compiled stages: run one "
+                              "train_step first")
+    symmetric = cm.program.transport == "symmetric"
+    mems = [graph_memory(p.graphs["forward"], p.graphs.get("backward"), symmetric=symmetric) for p in progs]
+    moe: dict[str, int] = {}
+    for m in mems:
+        for k, v in m.saved_moe_bytes.items():
+            moe[k] = moe.get(k, 0) + v
+    gm = GraphMemory(
+        saved_bytes=sum(m.saved_bytes for m in mems), saved_moe_bytes=moe,
+        output_bytes=max(m.output_bytes for m in mems), forward_high_water=max(m.forward_high_water for m in mems),
+        backward_high_water=max(m.backward_high_water for m in mems), grad_bytes=max(m.grad_bytes for m in mems),
+        recomputed=sum(m.recomputed for m in mems))
+    stages = [p.pipeline_stage for p in progs]
+    return graphs, gm, (f"pp > 1: graph figures are this rank's stages {stages}, one microbatch each (M_saved summed, "
+                        "M_working the largest stage's); the schedule's forwards in flight are explain's stage rows")
+
+
 DROPLESS_ONLY = ("C_rho", "C_bound", "M_recv_rho", "M_recv_uniform", "M_recv_bound")
 
 
@@ -281,9 +317,9 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
                           f"L·N·(2+G)·d·h_e = {expected}")
     graphs = dict(prog.graphs)
-    planned = cm.pipeline.planned if cm.pipeline is not None else None
-    if "captured" not in graphs and planned:  # explain planned every stage here: the whole model's attention
-        graphs["captured"] = [planned[s].graphs.get("captured") for s in sorted(planned)]
+    gm = None
+    if cm.pipeline is not None:  # the whole program captured no graph of its own: its stages did
+        graphs, gm, note = _pipeline_graphs(cm)
     act = next((p.dtype for n, p in cm.model.named_parameters() if p.is_floating_point()), None)
     values, notes = gather_values(
         shape, counts, prog.mesh, graphs, capacity_factor=prog.options.capacity_factor,
@@ -293,8 +329,9 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         dropless_headroom=prog.options.dropless_headroom, sharded_optimizer=sharded_optimizer,
         mx_dense_params=sum(s.param.numel() for s in prog.dense_weight_stores.values()),
     )
-    gm = None
-    if "forward" in graphs:
+    if cm.pipeline is not None:
+        notes.append(note)
+    elif "forward" in graphs:
         gm = graph_memory(graphs["forward"], graphs.get("backward"), symmetric=cm.program.transport == "symmetric")
     plan = cm.lease_plan() if callable(getattr(cm, "lease_plan", None)) else None
     if plan is not None and values.get("H") is None:

@@ -39,6 +39,7 @@ import torch.nn as nn
 from ..capture import compile_entry, fresh
 from ..errors import OptionError, RuntimeFault
 from .batch_agreement import agree_on_batch
+from .stage_weights import materialized
 
 
 class _Recorded(Exception):
@@ -192,10 +193,11 @@ class LocalStage:
 
 
 class PipelineRuntime:
-    def __init__(self, cm, split, schedule) -> None:
+    def __init__(self, cm, split, schedule, released: dict | None = None) -> None:
         self.cm = cm
         self.split = split
         self.schedule = schedule  # ScheduleOrder
+        self.released = released or {}  # other stages' parameters, storage released (runtime/stage_weights.py)
         spec = cm.program.mesh
         self.pp = spec.pp
         self.pp_rank = spec.dense_coords(cm.groups.rank)[0]
@@ -205,6 +207,7 @@ class PipelineRuntime:
         self._shape: tuple | None = None
         self._programs: list = []  # Program per local stage
         self.planned: dict = {}  # stage → Program, once plan_stages compiled every stage (explain)
+        self.captured = None  # the whole model's graph of the first step (the ledger reads its attention)
         self._eval: dict = {}  # (outputs, batch shapes) → ({stage: (module, graph)}, fake values)
 
     # -- build -------------------------------------------------------------------------------------
@@ -214,7 +217,9 @@ class PipelineRuntime:
         from ..schedules import SCHEDULES
 
         cm, prog = self.cm, self.cm.program
-        gm, names, batch = capture(cm.model, mb, ("loss",))
+        with materialized(self.released):
+            gm, names, batch = capture(cm.model, mb, ("loss",))
+        self.captured = gm
         graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
         device = next(cm.model.parameters()).device
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
@@ -337,6 +342,14 @@ class PipelineRuntime:
         """Compile *every* stage of the pipeline on this rank and run one forward and backward of each
         on zero activations (meta tensors in explain), so that each stage's graphs and lease plan
         exist for the ledger. Stage → its Program. Nothing is sent between ranks."""
+        cm = self.cm
+        if self.released and cm.program.options.mxfp8:
+            raise OptionError("plan_stages compiles every stage on this rank, but the other stages' MXFP8 "
+                              "compute-weight caches were released with their weights; plan without mxfp8")
+        with materialized(self.released):  # the other stages' graphs run here, on uninitialised weights
+            return self._plan_stages(mb)
+
+    def _plan_stages(self, mb: dict[str, Any]) -> dict[int, Any]:
         from ..backend import MoEBackend
         from ..passes.split_stages import split_graph
 
@@ -436,7 +449,7 @@ class PipelineRuntime:
         from ..passes.split_stages import split_graph
 
         cm = self.cm
-        with torch.no_grad():
+        with torch.no_grad(), materialized(self.released):
             gm, names, batch = capture(cm.model, kwargs, outputs)
         graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
