@@ -87,18 +87,29 @@ def _raised_while_tracing(e: BaseException) -> BaseException | None:
     return cls(message) if isinstance(message, str) else None
 
 
+def pass_error(e: BaseException) -> BaseException | None:
+    """The moe_compile error a pass raised inside the backend (dynamo wraps it in BackendCompilerFailed:
+    e.g. context parallelism's attention checks, a position table too short), else None."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from .errors import MoECompileError
+
+    inner = getattr(e, "inner_exception", None)
+    return inner if isinstance(e, BackendCompilerFailed) and isinstance(inner, MoECompileError) else None
+
+
 def capture_error(e: BaseException, model: torch.nn.Module) -> BaseException | None:
     """The error to raise for a failed capture: a moe_compile error a pass raised inside the backend
     (dynamo wraps it in BackendCompilerFailed), or the UnsupportedFeatureError for data-dependent Python
     control flow or shapes in the user's model (a branch, loop or size on tensor values, which one static
     graph cannot hold), naming the innermost module whose forward holds it; None for any other error."""
-    from torch._dynamo.exc import BackendCompilerFailed, UserError
+    from torch._dynamo.exc import UserError
 
-    from .errors import MoECompileError, UnsupportedFeatureError
+    from .errors import UnsupportedFeatureError
 
-    inner = getattr(e, "inner_exception", None)
-    if isinstance(e, BackendCompilerFailed) and isinstance(inner, MoECompileError):
-        return inner  # a pass refused the graph (e.g. context parallelism's attention checks): its own error
+    inner = pass_error(e)
+    if inner is not None:
+        return inner
     raised = _raised_while_tracing(e)
     if raised is not None:
         return raised

@@ -161,6 +161,11 @@ def test_explain_hf_config_file(tmp_path):
     (["--model", "tiny", "--mesh", "dp=2", "--batch-size", "0"], "--batch-size 0: must be a whole number ≥ 1"),
     (["--model", "tiny", "--mesh", "dp=2", "--seq-len", "0"], "--seq-len 0: must be a whole number ≥ 1"),
     (["--model", "tiny", "--mesh", "dp=2", "--schedule", "gpipe"], "--schedule gpipe: the mesh has pp=1"),
+    # a sequence past the tiny LM's learned position table (256 rows): meta tensors never ran the lookup
+    # check, so the plan passed for a run every rank refuses
+    (["--model", "tiny", "--mesh", "dp=2", "--seq-len", "300"],
+     "the embedding pos.weight has 256 rows, but this batch looks up row 299 (positions arange(300)"),
+    (["--model", "tiny", "--mesh", "pp=2,dp=1", "--micro-batches", "2", "--seq-len", "300"], "looks up row 299"),
     (["--hf-config", "/nonexistent/config.json", "--mesh", "dp=2"],
      "--hf-config /nonexistent/config.json: cannot read it (No such file or directory)"),
 ])

@@ -7,6 +7,9 @@ neither the table nor the batch in the plain graph, and with dense_fusion="induc
 process (the compiled kernel's C++ exception ends in std::terminate). So the indices of each
 ``F.embedding`` / ``torch.embedding`` of a graph input go through ``moe_check::index_range``, which
 refuses an index outside [0, rows) with an OptionError naming the table (CPU tensors; see the op).
+Indices that are ``arange`` of constants (the position table's lookup when no position_ids are
+passed) are checked here, at compile time: explain's meta tensors never reach the op, so a plan for
+a sequence longer than the table would otherwise pass.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..errors import OptionError
 from ..ir import Stage
 from .base import PassContext, moe_pass, propagate_fake
 
@@ -36,6 +40,7 @@ def index_bounds(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         val = table.meta.get("val") if isinstance(table, fx.Node) else None
         if not isinstance(idx, fx.Node) or table not in names or val is None or val.dim() != 2:
             continue
+        _check_arange(idx, int(val.shape[0]), names[table])
         with gm.graph.inserting_before(n):
             checked = gm.graph.call_function(torch.ops.moe_check.index_range.default,
                                              (idx, int(val.shape[0]), names[table]))
@@ -46,3 +51,17 @@ def index_bounds(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _check_arange(idx: fx.Node, rows: int, table: str) -> None:
+    """Refuse ``arange(start, end[, step])`` indices of constants that reach past the table's rows."""
+    if idx.op != "call_function" or idx.target is not torch.arange:
+        return
+    ints = [a for a in idx.args if isinstance(a, int) and not isinstance(a, bool)]
+    if len(ints) != len(idx.args) or not 1 <= len(ints) <= 3:
+        return  # a symbolic or float bound: the run-time check covers it
+    r = range(*ints)
+    if len(r) and max(r[0], r[-1]) >= rows:
+        spelled = ", ".join(map(str, ints))
+        raise OptionError(f"the embedding {table} has {rows} rows, but this batch looks up row {max(r[0], r[-1])} "
+                          f"(positions arange({spelled}): a sequence longer than the position table)")

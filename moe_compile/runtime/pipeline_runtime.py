@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture import compile_entry, fresh
+from ..capture import compile_entry, fresh, pass_error
 from ..errors import OptionError, RuntimeFault
 from .batch_agreement import agree_on_batch
 from .stage_weights import materialized
@@ -125,7 +125,13 @@ class StageModule(nn.Module):
         if missing:
             raise OptionError(f"pipeline stage {self.stage} needs batch input(s) {missing} (every rank of a "
                               "pipeline passes the same batch)")
-        out = self._compiled(*acts, **{k: batch[k] for k in self.batch_names})
+        try:
+            out = self._compiled(*acts, **{k: batch[k] for k in self.batch_names})
+        except Exception as e:
+            inner = pass_error(e)  # a pass refused the stage's graph: its own error, not dynamo's wrapper
+            if inner is None:
+                raise
+            raise inner from e
         # boundary values travel contiguous, as the stages declare them: a view (one layer's slice of
         # Gemma 4's per-layer inputs) keeps its base's strides, which the schedule's metadata check refuses
         if isinstance(out, tuple):
