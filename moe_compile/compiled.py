@@ -312,8 +312,8 @@ class CompiledMoE(nn.Module):
 
     def ledger(self, **kw: Any):
         """The cost ledger evaluated for this program (:mod:`moe_compile.ledger`; options: micro_batches,
-        optimizer_state_bytes, main_weights, tokens, seq_len, load_imbalance, sharded_optimizer). Graph
-        figures need one training step."""
+        optimizer_state_bytes, main_weights, tokens, seq_len, load_imbalance, sharded_optimizer,
+        reduce_scatter). Graph figures need one training step."""
         from .ledger import ledger_for
 
         return ledger_for(self, **kw)

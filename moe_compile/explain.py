@@ -230,8 +230,9 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
         # rows), so the token-dependent figures take T from the planned micro-batch: this rank's tokens of it
         tokens = {"tokens": batch_size * seq_len // spec.cp, "seq_len": seq_len} if pipelined else {}
         # the persistent state of the optimizer `moe-compile train` runs (OLMoDDPOptimizer: FP32 main_grad
-        # buckets, ZeRO-1 sharded FP32 main weights and moments), as the pipeline's stage rows count it
-        led = cm.ledger(micro_batches=micro_batches, sharded_optimizer=True, **tokens)
+        # buckets, ZeRO-1 sharded FP32 main weights and moments), as the pipeline's stage rows count it; on the
+        # accelerators explain plans for (symmetric transport) its intake reduce-scatters the buckets
+        led = cm.ledger(micro_batches=micro_batches, sharded_optimizer=True, reduce_scatter=True, **tokens)
         result = ExplainResult(name, cm.program.mesh, led)
         from .explain_cp import cp_rows
 

@@ -44,8 +44,9 @@ def test_explain_tiny_for_a_32_rank_mesh(tmp_path, capsys):
     #   12288, proj 64·64 = 4096, router 8·64 = 512 → 17024; 49152 + 64 + 2·17024 = 83264
     #   routed: 2 layers · 8 experts · 3·64·64 = 196608; rank 5 of ep_mp = 4 holds a quarter, 49152
     assert (data["P_dense"], data["P_E"], data["P_local"]) == (83264, 196608, 83264 + 49152)
-    # float32 dense bucket 83264·4 = 333056 B; ring all-reduce over dp = 32 sends 2·31/32 of it
-    assert (data["V_dense_bucket"], data["V_dense_sent"]) == (333056, 645296)
+    # float32 dense bucket 83264·4 = 333056 B; the planned optimizer's reduce-scatter over dp = 32 sends 31/32
+    # of it (a ring all-reduce, counted before, 2·31/32)
+    assert (data["V_dense_bucket"], data["V_dense_sent"]) == (333056, 322648)
     assert data["run"]["rank"] == 5 and data["run"]["world"] == 32
     part, back = svg_classes(out / "partitioned.svg"), svg_classes(out / "backward.svg")
     assert {"moe-router", "moe-permute", "moe-dispatch", "moe-expert_ffn", "moe-combine", "moe-unpermute"} <= part
@@ -144,7 +145,7 @@ def test_explain_hf_config_file(tmp_path):
     model = tiny_hf_model("qwen2_moe", layers=1)
     assert data["P_total"] == sum(p.numel() for p in model.parameters())
     assert data["symbols"]["sigma_s"] == 1 and data["P_shared"] > 0  # gated shared expert, dense family
-    assert data["V_expert_sent"] == data["V_expert_bucket"]  # ring over ep_dp = 2: 2·(2-1)/2
+    assert 2 * data["V_expert_sent"] == data["V_expert_bucket"]  # reduce-scatter over ep_dp = 2: (2-1)/2
     root = ET.parse(out / "backward.svg").getroot()
     labels = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
     assert "expert bucket" in labels and "ep_dp = 2 ranks" in labels and "dp×cp = 4 ranks" in labels

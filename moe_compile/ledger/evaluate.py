@@ -157,7 +157,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
                   activation_dtype: torch.dtype | None, tokens: int | None,
                   seq_len: int | None, dropless_factor=None, dropless_headroom=None,
                   load_imbalance: float | None = None, sharded_optimizer: bool = False,
-                  mx_dense_params: int = 0) -> tuple[dict[str, int | float | None], list[str]]:
+                  reduce_scatter: bool = False, mx_dense_params: int = 0) -> tuple[dict[str, int | float | None], list[str]]:
     notes: list[str] = []
     spec, dnode = _dispatch_spec(graphs)
     if spec is not None:
@@ -181,7 +181,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         h_d=h_d, rho=load_imbalance,
         m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=4 if sharded_optimizer else b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
         b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8),
-        z_1=int(sharded_optimizer), P_mx_dense=mx_dense_params, H=None,
+        z_1=int(sharded_optimizer), z_rs=int(reduce_scatter), P_mx_dense=mx_dense_params, H=None,
         L_attn=None, d_qk=None, d_v=None,
     )
     if shape.m_s:
@@ -297,14 +297,23 @@ DROPLESS_ONLY = ("C_rho", "C_bound", "M_recv_rho", "M_recv_uniform", "M_recv_bou
 
 def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: int = 8, main_weights: bool | None = None,
                tokens: int | None = None, seq_len: int | None = None, load_imbalance: float | None = None,
-               sharded_optimizer: bool = False) -> Ledger:
+               sharded_optimizer: bool = False, reduce_scatter: bool | None = None) -> Ledger:
     """The ledger of a CompiledMoE (see :meth:`CompiledMoE.ledger`). ``load_imbalance`` ρ (the most rows one
     rank receives / T·K) sets the dropless figures C_rho, M_recv_rho; default: the observed high-water
     of the steps run so far (1 before any). ``micro_batches``: default the program's ``microbatches``
     (what one train_step runs). ``sharded_optimizer``: the persistent state of
     OLMoDDPOptimizer (FP32 main_grad buckets, FP32 main weights and moments ZeRO-1 sharded over each
-    family's replicas) instead of a replicated optimizer over the parameters' own gradients."""
+    family's replicas) instead of a replicated optimizer over the parameters' own gradients.
+    ``reduce_scatter``: that optimizer's gradient intake reduce-scatters the buckets (half an all-reduce's
+    bytes); default as OLMoDDPOptimizer decides it: on accelerators, not on CPU ranks."""
     prog = cm.program
+    if reduce_scatter is None:
+        from ..train.optimizer import auto_reduce_scatter
+
+        reduce_scatter = sharded_optimizer and auto_reduce_scatter(cm)
+    elif reduce_scatter and not sharded_optimizer:
+        raise LedgerError("ledger(reduce_scatter=True): buckets are reduce-scattered into the ZeRO-1 owned ranges "
+                          "of a sharded optimizer; pass sharded_optimizer=True too")
     if micro_batches is None:
         micro_batches = prog.options.microbatches
     state = find_dropless_state(prog.ctx_id) if prog.options.capacity_factor is None else None
@@ -327,6 +336,7 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
         dropless_factor=state.factor if state is not None else None, load_imbalance=load_imbalance or 1,
         dropless_headroom=prog.options.dropless_headroom, sharded_optimizer=sharded_optimizer,
+        reduce_scatter=reduce_scatter,
         mx_dense_params=sum(s.param.numel() for s in prog.dense_weight_stores.values()),
     )
     if cm.pipeline is not None:

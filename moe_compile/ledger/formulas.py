@@ -51,6 +51,7 @@ from .symbols import (
     rho,
     sigma_s,
     z_1,
+    z_rs,
 )
 
 
@@ -174,12 +175,13 @@ _def("V_ep_mp_peer", V_ep * (1 - 1 / ep_mp), "bytes", "traffic",
      "with probability 1/ep_mp)")
 V_dense = _def("V_dense_bucket", P_dense / pp * b_g, "bytes", "traffic",
                "dense buckets all-reduced over dp x cp each step (0 traffic when dp·cp = 1)")
-_def("V_dense_sent", 2 * (dp * cp - 1) / (dp * cp) * V_dense, "bytes", "traffic",
-     "dense reduction bytes each rank sends (ring all-reduce: 2(n-1)/n of the buckets)")
+_def("V_dense_sent", (2 - z_rs) * (dp * cp - 1) / (dp * cp) * V_dense, "bytes", "traffic",
+     "dense reduction bytes each rank sends (ring all-reduce: 2(n-1)/n of the buckets; reduce-scatter, z_rs = 1: "
+     "(n-1)/n)")
 V_exp = _def("V_expert_bucket", P_E / (pp * ep_mp) * b_g, "bytes", "traffic",
              "expert buckets all-reduced over ep_dp each step (0 traffic when ep_dp = 1)")
-_def("V_expert_sent", 2 * (ep_dp - 1) / ep_dp * V_exp, "bytes", "traffic",
-     "expert reduction bytes each rank sends (ring all-reduce over ep_dp)")
+_def("V_expert_sent", (2 - z_rs) * (ep_dp - 1) / ep_dp * V_exp, "bytes", "traffic",
+     "expert reduction bytes each rank sends (ring all-reduce over ep_dp; reduce-scatter, z_rs = 1: half)")
 _def("V_main_gather", z_1 * b_main * ((dp * cp - 1) * P_dense / (dp * cp) + (ep_dp - 1) * P_E / (ep_mp * ep_dp)) / pp,
      "bytes", "traffic", "ZeRO-1 copy-back: each rank sends its share of the FP32 main weights to the n − 1 "
      "others of each family's replica group after the optimizer step (ring all-gather)")

@@ -77,6 +77,8 @@ P_mx_dense = _sym("P_mx_dense", "dense parameters of this rank held as MXFP8 com
                   "(mxfp8='experts+shared' | 'all': shared-expert or every dense linear's weight), else 0", "params")
 z_1 = _sym("z_1", "1 when the optimizer shards its FP32 main weights and states ZeRO-1 over each family's "
            "replica group (dense dp·cp, experts ep_dp: OLMoDDPOptimizer), 0 when every replica holds them")
+z_rs = _sym("z_rs", "1 when the gradient buckets are reduce-scattered into the ZeRO-1 owned ranges "
+            "(OLMoDDPOptimizer on accelerators), 0 when they are all-reduced (CPU ranks, replicated optimizers)")
 
 
 def symbol(name: str) -> sp.Symbol:
