@@ -207,6 +207,9 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
             raise OptionError(schedule_without_pipeline(f"--schedule {schedule}"))
         extra = {"microbatches": micro_batches, "schedule": schedule} if pipelined else {}
         cm = moe_compile(net, spec, capacity_factor=capacity_factor, **extra)
+        if cm.ddp is not None:  # the buckets of the optimizer `moe-compile train` runs (OLMoDDPOptimizer) as on
+            cm.ddp.set_grad_dtype(torch.float32)  # accelerators: FP32 main_grad, reduce-scattered into the
+            cm.ddp.shard_gradients(True)  # ZeRO-1 owned ranges (its main weights and moments: the ledger's)
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
         pipeline = None
         with warnings.catch_warnings(), _differentiable_cross_entropy(), _fused_attention():

@@ -119,9 +119,10 @@ def write_outputs(cm, ledger: Ledger, out: Path, *, name: str, rank: int = 0, se
 
         sections["Pipeline stages"] = stage_table_html(pipeline)
     if cm.ddp is not None:
-        sections["Gradient buckets"] = "<table><tr><th>family</th><th>dtype</th><th>params</th><th>bytes</th><th>reduced through</th></tr>" + \
+        sections["Gradient buckets"] = "<table><tr><th>family</th><th>dtype</th><th>params</th><th>bytes</th>" \
+            "<th>reduction</th><th>reduced through</th></tr>" + \
             "".join(f"<tr><td>{b['family']}</td><td>{b['dtype']}</td><td>{b['params']}</td><td>{b['bytes']:,}</td>"
-                    f"<td>{b['transport']}</td></tr>"
+                    f"<td>{b['reduction']}</td><td>{b['transport']}</td></tr>"
                     for b in cm.ddp.bucket_summary()) + "</table>"
     notes = [f"mesh {prog.mesh} ({prog.mesh.world_size} ranks), seen from rank {rank}"
              + (f"; {batch_size}×{seq_len} tokens per rank per micro-batch" if seq_len else "")]

@@ -149,6 +149,14 @@ def test_explain_hf_config_file(tmp_path):
     root = ET.parse(out / "backward.svg").getroot()
     labels = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
     assert "expert bucket" in labels and "ep_dp = 2 ranks" in labels and "dp×cp = 4 ranks" in labels
+    # the buckets the ledger counts (OLMoDDPOptimizer's FP32 main_grad, reduce-scattered): the report and the
+    # picture showed the model's own bf16 buckets, all-reduced, beside the ledger's figures
+    assert "reduce-scatter over" in labels and "all-reduce over" not in labels
+    report = (out / "report.html").read_text()
+    table = report[report.index("Gradient buckets"):]
+    table = table[:table.index("</table>")]
+    assert table.count("<td>torch.float32</td>") == table.count("<tr>") - 1 > 0, table
+    assert table.count("<td>reduce-scatter</td>") == table.count("<tr>") - 1, table
     assert not (out / "partitioned.png").exists()
 
 

@@ -462,6 +462,7 @@ class MultiGroupDistributedDataParallel:
     def bucket_summary(self) -> list[dict[str, object]]:
         return [
             {"family": b.family, "dtype": str(b.flat.dtype), "params": len(b.params), "bytes": b.nbytes,
-             "transport": "none" if b.group is None else "host_shm" if b.shm_group is not None else "process_group"}
+             "transport": "none" if b.group is None else "host_shm" if b.shm_group is not None else "process_group",
+             "reduction": "reduce-scatter" if b.shards is not None else "all-reduce"}
             for b in self.buckets
         ]

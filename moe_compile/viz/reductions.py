@@ -66,7 +66,8 @@ def bucket_reductions(cm, gm: fx.GraphModule, max_buckets: int = 6) -> list[Redu
             over = f"ep_dp = {mesh.ep_dp} ranks"
         if b.group is None:
             over += " (group of one: no traffic)"
-        label = (f"{b.family} bucket {i}\nall-reduce over {over}\n{len(b.params)} params, "
+        kind = "reduce-scatter" if b.shards is not None else "all-reduce"
+        label = (f"{b.family} bucket {i}\n{kind} over {over}\n{len(b.params)} params, "
                  f"{format_value(b.nbytes, 'bytes')} {str(b.flat.dtype).replace('torch.', '')}")
         grads = [producers[by_id[id(p)]] for p in b.params if by_id.get(id(p)) in producers]
         out.append(Reduction(f"reduction/{i}", label, grads))
@@ -80,7 +81,8 @@ def bucket_reductions(cm, gm: fx.GraphModule, max_buckets: int = 6) -> list[Redu
         b0 = mine[0][0]
         over = f"dp×cp = {mesh.dp * mesh.cp} ranks" if fam == "dense" else f"ep_dp = {mesh.ep_dp} ranks"
         total = sum(b.nbytes for b, _ in mine)
-        label = (f"{fam} buckets ×{len(mine)}\nall-reduce over {over}" + (" (no peers)" if b0.group is None else "")
+        kind = "reduce-scatter" if b0.shards is not None else "all-reduce"
+        label = (f"{fam} buckets ×{len(mine)}\n{kind} over {over}" + (" (no peers)" if b0.group is None else "")
                  + f"\n{sum(len(b.params) for b, _ in mine)} params, {format_value(total, 'bytes')}")
         merged.append(Reduction(f"reduction/{fam}", label, [g for _, r in mine for g in r.grads]))
     return merged
