@@ -9,8 +9,12 @@ autograd formulas). Payloads are packed qdata–scale rows (uint8 [rows, K + K/3
                          (high-precision operands, fp32 accumulation)
     mx_linear            x @ wᵀ with an MXFP8 weight cache (dense linears under mxfp8="…shared"/"all")
 
-The MXFP8 GEMM on CPU is emulated: both operands dequantised exactly to fp32, grouped mm with fp32
-accumulation (the Triton ``tl.dot_scaled`` kernel computes the same products on GPUs).
+The MXFP8 GEMM on CPU is emulated: both operands dequantised exactly to fp32, mm with fp32
+accumulation (the Triton ``tl.dot_scaled`` kernel computes the same products on GPUs). The emulation
+runs one expert at a time, so its fp32 copies are one expert's weight and rows, not every local
+expert's weights at once (those were the step's largest temporaries: the allocator peak was 1.4–1.5×
+the graph's working memory on the tiny LM, above the ledger's bound; MX scales are per 32-element
+block of a row, so quantising an expert's rows alone gives the same bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import torch
 
 from ..mxfp8 import dequantize_packed, packed_width, quantize_packed
 from .activations import ffn_activation, ffn_activation_backward, ffn_activation_parts
-from .grouped_mm import grouped_mm, pad_rows
 
 
 def _k(packed_cols: int) -> int:
@@ -27,13 +30,26 @@ def _k(packed_cols: int) -> int:
     return packed_cols * 32 // 33
 
 
+def _groups(counts: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows, in expert order."""
+    out, r = [], 0
+    for g, n in enumerate(counts.tolist()):
+        if n:
+            out.append((g, r, r + n))
+        r += n
+    return out
+
+
 def mx_grouped_mm(a_packed: torch.Tensor, b_packed: torch.Tensor, counts: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] (packed, along K) times b[g] [N, K] (packed, along K), transposed: [M, N]."""
+                  out_dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
+    """a [M, K] (packed, along K) times b[g] [N, K] (packed, along K), transposed: [rows or M, N], rows
+    past M unspecified."""
     k = _k(a_packed.shape[-1])
-    a = dequantize_packed(a_packed, k)
-    b = dequantize_packed(b_packed, k)
-    return grouped_mm(a, b.transpose(-2, -1), counts).to(out_dtype)
+    out = a_packed.new_empty(a_packed.shape[0] if rows is None else rows, b_packed.shape[-2], dtype=out_dtype)
+    for g, r0, r1 in _groups(counts):
+        part = dequantize_packed(a_packed[r0:r1], k) @ dequantize_packed(b_packed[g], k).t()
+        out[r0:r1].copy_(part)
+    return out
 
 
 @torch.library.custom_op("moe::quantize_mx", mutates_args=())
@@ -77,9 +93,10 @@ def grouped_ffn_mx(
     valid = int(counts.sum())
     if not valid:
         return recv.new_empty(cap, d, dtype=dtype), recv.new_empty(cap, f, dtype=dtype)
-    p = mx_grouped_mm(recv[:valid], w_in, counts, dtype)
-    out = mx_grouped_mm(quantize_packed(ffn_activation(p, activation, gated), mode), w_out, counts, dtype)
-    return pad_rows(out, cap), pad_rows(p, cap)
+    p = mx_grouped_mm(recv[:valid], w_in, counts, dtype, rows=cap)
+    out = mx_grouped_mm(quantize_packed(ffn_activation(p[:valid], activation, gated), mode), w_out, counts, dtype,
+                        rows=cap)
+    return out, p
 
 
 @grouped_ffn_mx.register_fake
@@ -108,16 +125,22 @@ def grouped_ffn_backward_mx(
     valid = int(counts.sum())
     if not valid:
         return pre.new_empty(cap, d), torch.zeros_like(w_in), torch.zeros_like(w_out)
-    go_p, p = grad_out[:valid], pre[:valid]
-    go = dequantize_packed(go_p, d)  # high-precision operand of the weight-gradient GEMM
-    g_a = grouped_mm(go, dequantize_packed(w_out_t, d).transpose(-2, -1), counts).to(dtype)  # MXFP8 GEMM (along d)
-    a, act_gate = ffn_activation_parts(p, activation, gated)
-    g_w_out = grouped_mm(go.t(), a.float(), counts)  # fp32 operands
-    g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
-    g_recv = pad_rows(mx_grouped_mm(quantize_packed(g_pre, mode), w_in_t, counts, dtype), cap)
-    x = dequantize_packed(recv[:valid], d)
-    g_w_in = grouped_mm(g_pre.float().t(), x, counts)
-    return g_recv, g_w_in.to(w_in.dtype), g_w_out.to(w_out.dtype)
+    g_recv = pre.new_empty(cap, d)
+    g_w_in, g_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)  # an expert without rows: zero gradient
+    f = pre.shape[-1]  # (1 + G)·h: the input-gradient GEMM contracts over it
+    for g, r0, r1 in _groups(counts):  # one expert at a time (module docstring)
+        go = dequantize_packed(grad_out[r0:r1], d)  # high-precision operand of the weight-gradient GEMM
+        g_a = (go @ dequantize_packed(w_out_t[g], d).t()).to(dtype)  # MXFP8 GEMM (along d)
+        p = pre[r0:r1]
+        a, act_gate = ffn_activation_parts(p, activation, gated)
+        g_w_out[g] = (go.t() @ a.float()).to(w_out.dtype)  # fp32 operands
+        del go, a
+        g_pre = ffn_activation_backward(g_a, p, activation, gated, act_gate)
+        g_q = dequantize_packed(quantize_packed(g_pre, mode), f)  # MXFP8 GEMM (along (1 + G)·h)
+        g_recv[r0:r1] = (g_q @ dequantize_packed(w_in_t[g], f).t()).to(dtype)
+        del g_q
+        g_w_in[g] = (g_pre.float().t() @ dequantize_packed(recv[r0:r1], d)).to(w_in.dtype)
+    return g_recv, g_w_in, g_w_out
 
 
 @grouped_ffn_backward_mx.register_fake
