@@ -448,6 +448,7 @@ def intake_worker(rank: int, world: int) -> dict:
     from moe_compile.train.optimizer import OLMoDDPOptimizer
 
     cm = moe_compile(build_model("tiny"), "ep_mp=2", grad_transport="process_group")  # dp = 4, ep_dp = 2
+    cpu = cm.ledger(sharded_optimizer=True)  # no optimizer built yet: the one a CPU rank would build all-reduces
     opt = OLMoDDPOptimizer(cm, lr=1e-3, reduce_scatter=True)  # as on accelerators (CPU ranks all-reduce)
     sent: dict[int, int] = {}
     orig = dist.reduce_scatter_tensor
@@ -465,10 +466,15 @@ def intake_worker(rank: int, world: int) -> dict:
     finally:
         dist.reduce_scatter_tensor = orig
     led = cm.ledger(sharded_optimizer=True, reduce_scatter=True)
-    cpu = cm.ledger(sharded_optimizer=True)
+    built = cm.ledger(sharded_optimizer=True)  # follows the optimizer built over cm
+    shards = sum(t.numel() * t.element_size() for b in cm.ddp.buckets if b.shards is not None
+                 for t in (b.shards.send, b.shards.out))
     cm.close()
     return {"sent": sent, "dense": led["V_dense_sent"], "expert": led["V_expert_sent"],
-            "cpu_default": (cpu["V_dense_sent"], cpu["V_expert_sent"])}
+            "cpu_default": (cpu["V_dense_sent"], cpu["V_expert_sent"]),
+            "built": (built["V_dense_sent"], built["V_expert_sent"]), "shards": shards,
+            "M_grad_shards": led["M_grad_shards"], "cpu_shards": cpu["M_grad_shards"],
+            "persistent": led["M_persistent"] - cpu["M_persistent"]}
 
 
 def test_reduce_scatter_intake_is_half_an_all_reduce():
@@ -476,9 +482,14 @@ def test_reduce_scatter_intake_is_half_an_all_reduce():
     where on accelerators it reduce-scatters the buckets into the ZeRO-1 owned ranges: (n−1)/n. With
     reduce_scatter=True (explain's plan, the default off CPU ranks) the figures match the bytes each rank's
     reduce_scatter_tensor calls send (dense over dp = 4, experts over ep_dp = 2; each parameter's part
-    padded to ⌈n/g⌉: within 2%); CPU ranks keep the all-reduce and the figure that counts it."""
+    padded to ⌈n/g⌉: within 2%); CPU ranks keep the all-reduce and the figure that counts it, and once an
+    optimizer is built the default follows it. The reduce-scatter's send rows and reduced part (one bucket
+    and 1/g of it more, persistent) were in no figure: M_grad_shards counts them, within 2% of the buffers."""
     for r in run_ranks(intake_worker, 4):
         assert set(r["sent"]) == {4, 2}, r
         assert abs(r["sent"][4] / r["dense"] - 1) < 0.02, r
         assert abs(r["sent"][2] / r["expert"] - 1) < 0.02, r
         assert r["cpu_default"] == (2 * r["dense"], 2 * r["expert"]), r
+        assert r["built"] == (r["dense"], r["expert"]), r
+        assert abs(r["M_grad_shards"] / r["shards"] - 1) < 0.02 and r["cpu_shards"] == 0, r
+        assert r["persistent"] == r["M_grad_shards"], r

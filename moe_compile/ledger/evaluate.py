@@ -305,12 +305,14 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
     OLMoDDPOptimizer (FP32 main_grad buckets, FP32 main weights and moments ZeRO-1 sharded over each
     family's replicas) instead of a replicated optimizer over the parameters' own gradients.
     ``reduce_scatter``: that optimizer's gradient intake reduce-scatters the buckets (half an all-reduce's
-    bytes); default as OLMoDDPOptimizer decides it: on accelerators, not on CPU ranks."""
+    bytes, and send and receive buffers beside them); default: as the OLMoDDPOptimizer built over ``cm``
+    does, else as it would decide: on accelerators, not on CPU ranks."""
     prog = cm.program
-    if reduce_scatter is None:
+    if reduce_scatter is None:  # the intake of the OLMoDDPOptimizer built over cm, else the one it would pick
         from ..train.optimizer import auto_reduce_scatter
 
-        reduce_scatter = sharded_optimizer and auto_reduce_scatter(cm)
+        built = [o.reduce_scatter for o in cm.optimizers]
+        reduce_scatter = sharded_optimizer and (any(built) if built else auto_reduce_scatter(cm))
     elif reduce_scatter and not sharded_optimizer:
         raise LedgerError("ledger(reduce_scatter=True): buckets are reduce-scattered into the ZeRO-1 owned ranges "
                           "of a sharded optimizer; pass sharded_optimizer=True too")

@@ -131,7 +131,14 @@ M_mx = _def("M_mxfp8", 2 * (1 + sp.Rational(1, 32)) * (q_mx * P_E / (pp * ep_mp)
             "persistent", "MXFP8 compute-weight caches of the local experts (and of the dense linears under "
             "mxfp8='experts+shared' | 'all'): 1-byte qdata plus one E8M0 scale per 32 elements, in two "
             "orientations (forward and transposed)")
-_def("M_persistent", M_w + M_g + M_main + M_opt + M_mx, "bytes", "persistent", "persistent training state per rank")
+# a reduce-scattered bucket of a group of n > 1 ranks keeps its send rows [n, ⌈bucket/n⌉] and its reduced
+# part [⌈bucket/n⌉] beside the flat bucket (train/grad_shards.py; padding of < n elements per tensor left out)
+M_rs = _def("M_grad_shards", z_rs * b_g / pp * (P_dense * (1 + 1 / (dp * cp)) * sp.Min(1, dp * cp - 1)
+                                                + P_E / ep_mp * (1 + 1 / ep_dp) * sp.Min(1, ep_dp - 1)),
+            "bytes", "persistent", "reduce-scatter buffers of the gradient buckets (z_rs = 1): each bucket's send "
+            "rows (one more copy of it) and its reduced part (1/n of it), for a family group of n > 1 ranks")
+_def("M_persistent", M_w + M_g + M_main + M_opt + M_mx + M_rs, "bytes", "persistent",
+     "persistent training state per rank")
 
 # -- execution working memory (bytes per rank, one micro-batch) -----------------------------------
 _layout = 2 * ep_mp * N * b_i  # layout [2, ep, ep, L_loc] int64
@@ -174,12 +181,14 @@ _def("V_ep_mp_peer", V_ep * (1 - 1 / ep_mp), "bytes", "traffic",
      "ep_mp bytes to other ranks, expected value under uniform routing (a routed row stays on its rank "
      "with probability 1/ep_mp)")
 V_dense = _def("V_dense_bucket", P_dense / pp * b_g, "bytes", "traffic",
-               "dense buckets all-reduced over dp x cp each step (0 traffic when dp·cp = 1)")
+               "dense buckets reduced over dp x cp each step: all-reduced, or reduce-scattered with z_rs = 1 "
+               "(0 traffic when dp·cp = 1)")
 _def("V_dense_sent", (2 - z_rs) * (dp * cp - 1) / (dp * cp) * V_dense, "bytes", "traffic",
      "dense reduction bytes each rank sends (ring all-reduce: 2(n-1)/n of the buckets; reduce-scatter, z_rs = 1: "
      "(n-1)/n)")
 V_exp = _def("V_expert_bucket", P_E / (pp * ep_mp) * b_g, "bytes", "traffic",
-             "expert buckets all-reduced over ep_dp each step (0 traffic when ep_dp = 1)")
+             "expert buckets reduced over ep_dp each step: all-reduced, or reduce-scattered with z_rs = 1 "
+             "(0 traffic when ep_dp = 1)")
 _def("V_expert_sent", (2 - z_rs) * (ep_dp - 1) / ep_dp * V_exp, "bytes", "traffic",
      "expert reduction bytes each rank sends (ring all-reduce over ep_dp; reduce-scatter, z_rs = 1: half)")
 _def("V_main_gather", z_1 * b_main * ((dp * cp - 1) * P_dense / (dp * cp) + (ep_dp - 1) * P_E / (ep_mp * ep_dp)) / pp,

@@ -45,7 +45,7 @@ LOOKS: dict[str, Look] = {
     "lease_release": Look("#fbcfe8", "house", "lease release"),
     "cast": Look("#fde047", "trapezium", "MXFP8 cast"),
     "collective": Look("#7dd3fc", "octagon", "collective"),
-    "reduction": Look("#f87171", "doubleoctagon", "gradient reduction (bucket all-reduce)"),
+    "reduction": Look("#f87171", "doubleoctagon", "gradient reduction (bucket all-reduce or reduce-scatter)"),
     "dense": Look("#e5e7eb", "box", "dense op"),
     "moe_layer": Look("#fed7aa", "box3d", "MoE layer (collapsed)"),
     "param": Look("#f5f5f4", "note", "parameter"),
