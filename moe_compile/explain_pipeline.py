@@ -8,8 +8,8 @@ graphs and lease plan:
                       final norm and head on the last; routed experts as this rank's ep_mp shard)
     persistent bytes  weights + FP32 main_grad + optimizer state (FP32 main, exp_avg, exp_avg_sq:
                       12 B per element, ZeRO-1 over the family's replicas: dense dp·cp, experts ep_dp)
-                      + the reduce-scatter buffers of a family with replicas (send rows and reduced
-                      part: 4·(1 + 1/n) B per element; the ledger's M_grad_shards)
+                      + the reduced part of a reduce-scattered bucket of a family with replicas
+                      (4/n B per element; the ledger's M_grad_shards)
     saved / mb        activations one microbatch's forward keeps for its backward (graph_memory)
     H_s               forwards in flight of stage s under the schedule's action order
     activation HW     (H_s − 1) · saved + the stage graphs' own high-water (one graph running while
@@ -31,8 +31,8 @@ from .leases import LEASE_FAMILY
 def _bytes_per_element(name: str, cm) -> float:
     spec = cm.program.mesh
     replicas = spec.ep_dp if cm.is_expert_param(name) else spec.dp * spec.cp
-    shards = 4 * (1 + 1 / replicas) if replicas > 1 else 0  # reduce-scatter send rows + reduced part
-    return 4 + 12 / replicas + shards  # main_grad + ZeRO-1 share of the optimizer state + buffers
+    shards = 4 / replicas if replicas > 1 else 0  # the reduce-scatter's reduced part
+    return 4 + 12 / replicas + shards  # main_grad + ZeRO-1 share of the optimizer state + reduced part
 
 
 def stage_rows(cm, programs: dict[int, Any]) -> dict[str, Any]:

@@ -451,11 +451,14 @@ def intake_worker(rank: int, world: int) -> dict:
     cpu = cm.ledger(sharded_optimizer=True)  # no optimizer built yet: the one a CPU rank would build all-reduces
     opt = OLMoDDPOptimizer(cm, lr=1e-3, reduce_scatter=True)  # as on accelerators (CPU ranks all-reduce)
     sent: dict[int, int] = {}
+    packed = [0, 0]  # send rows in flight now, most at once
     orig = dist.reduce_scatter_tensor
 
     def counting(out, inp, group=None, **kw):  # ring reduce-scatter: (g − 1) of the g parts leave this rank
         g = dist.get_world_size(group)
         sent[g] = sent.get(g, 0) + (g - 1) * (inp.numel() // g) * inp.element_size()
+        packed[0] += inp.numel() * inp.element_size()
+        packed[1] = max(packed)
         return orig(out, inp, group=group, **kw)
 
     dist.reduce_scatter_tensor = counting
@@ -467,14 +470,15 @@ def intake_worker(rank: int, world: int) -> dict:
         dist.reduce_scatter_tensor = orig
     led = cm.ledger(sharded_optimizer=True, reduce_scatter=True)
     built = cm.ledger(sharded_optimizer=True)  # follows the optimizer built over cm
-    shards = sum(t.numel() * t.element_size() for b in cm.ddp.buckets if b.shards is not None
-                 for t in (b.shards.send, b.shards.out))
+    shards = sum(b.shards.out.numel() * b.shards.out.element_size() for b in cm.ddp.buckets if b.shards is not None)
+    kept = [b.shards._send for b in cm.ddp.buckets if b.shards is not None and b.shards._send is not None]
     cm.close()
     return {"sent": sent, "dense": led["V_dense_sent"], "expert": led["V_expert_sent"],
             "cpu_default": (cpu["V_dense_sent"], cpu["V_expert_sent"]),
             "built": (built["V_dense_sent"], built["V_expert_sent"]), "shards": shards,
             "M_grad_shards": led["M_grad_shards"], "cpu_shards": cpu["M_grad_shards"],
-            "persistent": led["M_persistent"] - cpu["M_persistent"]}
+            "persistent": led["M_persistent"] - cpu["M_persistent"], "kept_send": len(kept),
+            "packed_peak": packed[1], "M_grad_send": led["M_grad_send"]}
 
 
 def test_reduce_scatter_intake_is_half_an_all_reduce():
@@ -483,8 +487,11 @@ def test_reduce_scatter_intake_is_half_an_all_reduce():
     reduce_scatter=True (explain's plan, the default off CPU ranks) the figures match the bytes each rank's
     reduce_scatter_tensor calls send (dense over dp = 4, experts over ep_dp = 2; each parameter's part
     padded to ⌈n/g⌉: within 2%); CPU ranks keep the all-reduce and the figure that counts it, and once an
-    optimizer is built the default follows it. The reduce-scatter's send rows and reduced part (one bucket
-    and 1/g of it more, persistent) were in no figure: M_grad_shards counts them, within 2% of the buffers."""
+    optimizer is built the default follows it. The reduce-scatter's packed send rows stayed allocated beside
+    every bucket (one more copy of the gradients, persistent, in no figure): they now live from a bucket's
+    launch to the end of the backward only (M_grad_send, all buckets at most: within 2% of the rows handed
+    to reduce_scatter_tensor) and none is kept after the step; the reduced part (1/g of each bucket) stays:
+    M_grad_shards, within 2%, in M_persistent."""
     for r in run_ranks(intake_worker, 4):
         assert set(r["sent"]) == {4, 2}, r
         assert abs(r["sent"][4] / r["dense"] - 1) < 0.02, r
@@ -493,3 +500,4 @@ def test_reduce_scatter_intake_is_half_an_all_reduce():
         assert r["built"] == (r["dense"], r["expert"]), r
         assert abs(r["M_grad_shards"] / r["shards"] - 1) < 0.02 and r["cpu_shards"] == 0, r
         assert r["persistent"] == r["M_grad_shards"], r
+        assert r["kept_send"] == 0 and abs(r["packed_peak"] / r["M_grad_send"] - 1) < 0.02, r

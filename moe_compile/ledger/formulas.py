@@ -131,12 +131,13 @@ M_mx = _def("M_mxfp8", 2 * (1 + sp.Rational(1, 32)) * (q_mx * P_E / (pp * ep_mp)
             "persistent", "MXFP8 compute-weight caches of the local experts (and of the dense linears under "
             "mxfp8='experts+shared' | 'all'): 1-byte qdata plus one E8M0 scale per 32 elements, in two "
             "orientations (forward and transposed)")
-# a reduce-scattered bucket of a group of n > 1 ranks keeps its send rows [n, ⌈bucket/n⌉] and its reduced
-# part [⌈bucket/n⌉] beside the flat bucket (train/grad_shards.py; padding of < n elements per tensor left out)
-M_rs = _def("M_grad_shards", z_rs * b_g / pp * (P_dense * (1 + 1 / (dp * cp)) * sp.Min(1, dp * cp - 1)
-                                                + P_E / ep_mp * (1 + 1 / ep_dp) * sp.Min(1, ep_dp - 1)),
-            "bytes", "persistent", "reduce-scatter buffers of the gradient buckets (z_rs = 1): each bucket's send "
-            "rows (one more copy of it) and its reduced part (1/n of it), for a family group of n > 1 ranks")
+# a reduce-scattered bucket of a group of n > 1 ranks keeps its reduced part [⌈bucket/n⌉] beside the flat
+# bucket; its packed send rows [n, ⌈bucket/n⌉] live from its launch to the backward's end (train/grad_shards.py;
+# padding of < n elements per tensor left out)
+_rs_buckets = (z_rs * b_g / pp * P_dense * sp.Min(1, dp * cp - 1), z_rs * b_g / pp * P_E / ep_mp * sp.Min(1, ep_dp - 1))
+M_rs = _def("M_grad_shards", _rs_buckets[0] / (dp * cp) + _rs_buckets[1] / ep_dp, "bytes", "persistent",
+            "reduced parts of the reduce-scattered gradient buckets (z_rs = 1, family groups of n > 1 ranks): 1/n "
+            "of each bucket")
 _def("M_persistent", M_w + M_g + M_main + M_opt + M_mx + M_rs, "bytes", "persistent",
      "persistent training state per rank")
 
@@ -162,6 +163,9 @@ _def("M_ffn_workspace", C * ((5 + 2 * G) * h_e + d) * b_a, "bytes", "working",
 _def("M_saved_moe", L / pp * M_saved_layer, "bytes", "working",
      "MoE tensors kept for backward, the rank's MoE layers (L/pp; without activation checkpointing, which "
      "recomputes some of them)")
+_def("M_grad_send", _rs_buckets[0] + _rs_buckets[1], "bytes", "working",
+     "packed send rows of the reduce-scattered gradient buckets (z_rs = 1), one copy of each bucket from its "
+     "launch to the end of the backward: all of them at its end, when the saved activations are freed")
 _def("M_sym", H * C * _mx_row, "bytes", "working",
      "symmetric payloads at high-water: H receive buffers of C rows live at once (one family)")
 

@@ -106,7 +106,7 @@ class GradBucket:
     def shm_bucket(self) -> ShmBucket:
         """The shared-memory segment for the next reduction (collective over the group the first time,
         and again when sharding changed the send's size)."""
-        numel = self.shards.send.numel() if self.shards is not None else self.flat.numel()
+        numel = self.shards.send_numel if self.shards is not None else self.flat.numel()
         if self.shm is None or self.shm.data.local.numel() != numel:
             self.release_shm()
             self.shm = self.shm_group.bucket(numel, self.flat.dtype)
@@ -412,6 +412,8 @@ class MultiGroupDistributedDataParallel:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            if b.shards is not None:
+                b.shards.release()
             if b.scale != 1.0:
                 (b.flat if b.shards is None else b.shards.out).mul_(b.scale)
             b.ready.clear()
@@ -425,6 +427,8 @@ class MultiGroupDistributedDataParallel:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            if b.shards is not None:
+                b.shards.release()
             b.ready.clear()
         self._next = 0
         self._task = None
