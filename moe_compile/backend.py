@@ -60,9 +60,10 @@ class MoEBackend:
         names = [prog.param_names.get(id(t)) for t in example_inputs]
         ctx = PassContext(prog, fake_mode, input_names=names)
         tag_moe_nodes(gm, ctx)
-        prog.graphs["captured"] = snapshot(gm)
+        prog.graphs = {"captured": snapshot(gm)}  # a new capture: none of the last one's graphs stays
         gm = run_passes(gm, ctx, FORWARD_PASSES, debug, "fwd_")
         prog.graphs["partitioned"] = snapshot(gm)
+        mine = prog.graphs
         stage = get_stage(gm)
         joint_plan: list = []  # the training compile's lease plan (set by partition_fn)
 
@@ -72,7 +73,8 @@ class MoEBackend:
             set_stage(joint, stage)
             tag_moe_nodes(joint, jctx)
             joint = run_passes(joint, jctx, JOINT_PASSES, debug, "joint_")
-            prog.graphs["joint"] = snapshot(joint)
+            mine["joint"] = snapshot(joint)
+            prog.training_graphs = mine  # this capture trains: the ledger reads its graphs
             prog.records = list(jctx.records)
             joint_plan.append(jctx.lease_plan)
             prog.lease_plans["training"] = jctx.lease_plan
@@ -95,7 +97,7 @@ class MoEBackend:
                     g = place_grad_reduction(g, gctx)
                 g = lower(g, gctx, kind)
                 tag_moe_nodes(g, gctx)  # lowering may add nodes (lease ops)
-                prog.graphs[kind] = g  # the FX graph for inspection; it runs as dense_executable makes it
+                mine[kind] = g  # the FX graph for inspection; it runs as dense_executable makes it
                 return make_boxed_func(dense_executable(g, prog).forward)
 
             return compile_graph

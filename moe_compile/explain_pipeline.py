@@ -48,8 +48,8 @@ def stage_rows(cm, programs: dict[int, Any]) -> dict[str, Any]:
         weights = sum(params[n].numel() * params[n].element_size() for n in mine)
         state = sum(params[n].numel() * _bytes_per_element(n, cm) for n in mine if params[n].requires_grad)
         gm = None
-        if "forward" in prog.graphs:
-            gm = graph_memory(prog.graphs["forward"], prog.graphs.get("backward"),
+        if "forward" in prog.training_graphs:
+            gm = graph_memory(prog.training_graphs["forward"], prog.training_graphs.get("backward"),
                               symmetric=prog.transport == "symmetric")
         h = sched.in_flight.get(s, 1)
         plan = prog.lease_plans.get("training")

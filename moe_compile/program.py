@@ -24,6 +24,9 @@ class Program:
     ep_group_name: str
     transport: str = "local"  # resolved: local | all_to_all | symmetric
     graphs: dict[str, fx.GraphModule] = field(default_factory=dict)  # last capture: captured … backward
+    # the last training capture's graphs (the ledger's): an evaluation under no_grad compiles another
+    # forward into ``graphs`` but no backward, and a ledger pairing them failed or counted the evaluation
+    training_graphs: dict[str, fx.GraphModule] = field(default_factory=dict)
     records: list[PassRecord] = field(default_factory=list)
     compiles: int = 0
     lease_plans: dict[str, object] = field(default_factory=dict)  # "training" / "inference" → LeasePlan

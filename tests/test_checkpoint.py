@@ -595,3 +595,36 @@ def test_a_root_rank_0_cannot_create_fails_on_every_rank(tmp_path):
         assert "rank 0 could not prepare" in r["msg"] and "FileExistsError" in r["msg"], r
         assert "previous checkpoint is untouched" in r["msg"] and r["seconds"] < 60, r
     assert root.read_text() == "not a directory"
+
+
+def pp_tied_worker(rank, world, root, phase):
+    model = build_model("tiny", max_seq_len=16 if phase == "short" else 256)
+    model.layers[1].mlp_norm.weight = model.layers[1].attn_norm.weight  # tied within stage 1
+    cm = moe_compile(model, MeshSpec.parse("pp=2").resolve(world), microbatches=2, schedule="1f1b")
+    opt = OLMoDDPOptimizer(cm, lr=1e-2)
+    b = make_batches(1, 4, 16, seed=3)[0]
+    if phase == "save":
+        cm.train_step(input_ids=b, labels=b)
+        opt.step()
+        save_checkpoint(root, cm, opt, 1, 0)
+        return cm.full_state_dict()
+    try:
+        load_checkpoint(root, cm, opt)
+    except CheckpointError as e:
+        return str(e)
+    return cm.full_state_dict()
+
+
+def test_pipeline_checkpoint_with_tied_weights_and_one_verdict(tmp_path):
+    """pp=2: the stage that does not hold two weights tied within the other stage listed one of their
+    checkpoint keys as foreign, not both, refused the checkpoint alone and left its peer waiting in the
+    load's collective (a hang). It now loads every tensor as saved; and a checkpoint that only one stage
+    can refuse (a position table of 256 rows, the model's of 16: stage 0's) is refused on every rank."""
+    root = tmp_path / "ck"
+    saved = run_ranks(pp_tied_worker, 2, root, "save")
+    loaded = run_ranks(pp_tied_worker, 2, root, "load")
+    for s, got in zip(saved, loaded):
+        assert set(s) == set(got) and all(torch.equal(s[k], got[k]) for k in s), sorted(set(s) ^ set(got))
+    refused = run_ranks(pp_tied_worker, 2, root, "short", timeout=120)
+    assert "pos.weight: checkpoint (256, 64), model (16, 64)" in refused[0], refused[0]
+    assert "does not match the compiled model on another rank" in refused[1], refused[1]

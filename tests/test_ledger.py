@@ -501,3 +501,18 @@ def test_reduce_scatter_intake_is_half_an_all_reduce():
         assert abs(r["M_grad_shards"] / r["shards"] - 1) < 0.02 and r["cpu_shards"] == 0, r
         assert r["persistent"] == r["M_grad_shards"], r
         assert r["kept_send"] == 0 and abs(r["packed_peak"] / r["M_grad_send"] - 1) < 0.02, r
+
+
+def test_an_evaluation_does_not_change_the_training_ledger():
+    """The inference compile of an evaluation under no_grad replaced the captured, partitioned and forward
+    graphs but left the training step's backward: the ledger paired them and raised ('backward graph takes
+    85 saved values but forward returns only 3'). It reads the last training capture's graphs."""
+    cm = moe_compile(build_model("tiny"))
+    ids = make_batches(1, 2, 16)[0]
+    cm(input_ids=ids, labels=ids).loss.backward()
+    led = cm.ledger().to_dict()
+    with torch.no_grad():
+        cm(input_ids=ids[:, :8], labels=ids[:, :8])
+    assert "backward" not in cm.graphs()  # the last capture (the evaluation's) has none
+    assert cm.ledger().to_dict() == led
+    cm.close()

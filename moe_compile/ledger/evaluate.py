@@ -256,28 +256,31 @@ def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | Non
                             for k, v in values.items() if v is not None}, notes)
 
 
-def _pipeline_graphs(cm) -> tuple[dict, GraphMemory | None, str]:
+def _pipeline_graphs(cm) -> tuple[dict, GraphMemory | None, str, int | None]:
     """At pp > 1: the graphs the ledger reads and the graph memory of this rank's stages. Attention comes
     from the whole model's capture (every stage's, as explain plans them, or the first step's); the
-    dispatch (T, activation dtype) from the first of this rank's stages that has one; graph memory sums
+    dispatch (T, activation dtype) from the first of this rank's stages that has one (T of a rank whose
+    stages are all dense: the first step's microbatch tokens on this rank); graph memory sums
     the stages' saved activations (one microbatch each) and takes the largest high-water (one stage
     graph runs at a time)."""
     pipe = cm.pipeline
-    progs = [p for p in pipe._stage_programs() if "forward" in p.graphs]
+    progs = [p for p in pipe._stage_programs() if "forward" in p.training_graphs]
     graphs: dict = {}
     for p in progs:
-        if _dispatch_spec(p.graphs)[0] is not None:
-            graphs = {k: v for k, v in p.graphs.items() if k in ("partitioned", "joint", "forward")}
+        if _dispatch_spec(p.training_graphs)[0] is not None:
+            graphs = {k: v for k, v in p.training_graphs.items() if k in ("partitioned", "joint", "forward")}
             break
     if pipe.planned:
-        graphs["captured"] = [pipe.planned[s].graphs.get("captured") for s in sorted(pipe.planned)]
+        graphs["captured"] = [pipe.planned[s].training_graphs.get("captured") for s in sorted(pipe.planned)]
     elif pipe.captured is not None:
         graphs["captured"] = pipe.captured
+    tokens = pipe.microbatch_tokens if progs else None
     if not progs:
         return graphs, None, ("pp > 1: token and graph figures come from this rank's compiled stages: run one "
-                              "train_step first")
+                              "train_step first"), tokens
     symmetric = cm.program.transport == "symmetric"
-    mems = [graph_memory(p.graphs["forward"], p.graphs.get("backward"), symmetric=symmetric) for p in progs]
+    mems = [graph_memory(p.training_graphs["forward"], p.training_graphs.get("backward"), symmetric=symmetric)
+            for p in progs]
     moe: dict[str, int] = {}
     for m in mems:
         for k, v in m.saved_moe_bytes.items():
@@ -289,7 +292,7 @@ def _pipeline_graphs(cm) -> tuple[dict, GraphMemory | None, str]:
         recomputed=sum(m.recomputed for m in mems))
     stages = [p.pipeline_stage for p in progs]
     return graphs, gm, (f"pp > 1: graph figures are this rank's stages {stages}, one microbatch each (M_saved summed, "
-                        "M_working the largest stage's); the schedule's forwards in flight are explain's stage rows")
+                        "M_working the largest stage's); the schedule's forwards in flight are explain's stage rows"), tokens
 
 
 DROPLESS_ONLY = ("C_rho", "C_bound", "M_recv_rho", "M_recv_uniform", "M_recv_bound")
@@ -327,10 +330,11 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
     if counts.expert_total != expected:
         raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
                           f"L·N·(2+G)·d·h_e = {expected}")
-    graphs = dict(prog.graphs)
+    graphs = dict(prog.training_graphs)  # the last training capture's (an evaluation compiles no backward)
     gm = None
     if cm.pipeline is not None:  # the whole program captured no graph of its own: its stages did
-        graphs, gm, note = _pipeline_graphs(cm)
+        graphs, gm, note, mb_tokens = _pipeline_graphs(cm)
+        tokens = tokens if tokens is not None else mb_tokens
     act = next((p.dtype for n, p in cm.model.named_parameters() if p.is_floating_point()), None)
     values, notes = gather_values(
         shape, counts, prog.mesh, graphs, capacity_factor=prog.options.capacity_factor,

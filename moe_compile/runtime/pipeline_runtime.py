@@ -172,9 +172,10 @@ def split_batch_check(kwargs: dict[str, Any], m: int) -> int:
 @functools.cache
 def _stage_class():
     """torch's PipelineStage, whose first-step metadata inference runs outside the dropless state: on the
-    first step torch runs each stage once on placeholder activations (uninitialised tensors; stage 1 of
-    the tiny LM sent 112 of its 128 rows to one EP rank) to infer the boundary metadata. Like the stage
-    warm-up, that forward's load is not the run's; counted, it grew the receive capacity to ep·T·K."""
+    first step torch runs each stage once on placeholder activations (stage 1 of the tiny LM sent 112 of
+    its 128 rows to one EP rank) to infer the boundary metadata. Like the stage warm-up, that forward's
+    load is not the run's; counted, it grew the receive capacity to ep·T·K. The placeholders are zeros
+    here, not torch.empty's uninitialised memory."""
     from torch.distributed.pipelining import PipelineStage
 
     from .dropless import uncounted
@@ -185,6 +186,15 @@ def _stage_class():
         def _prepare_forward_infra(self, *args, **kwargs):
             with uncounted(self.moe_ctx_id):
                 return super()._prepare_forward_infra(*args, **kwargs)
+
+        def _to_tensor(self, arg):
+            # the inference's activations from metadata: zeros, not torch.empty's uninitialised memory (a
+            # stage that computes indices from its activations, hy_v4's, scattered out of bounds on those)
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):
+                with torch.no_grad():
+                    t.zero_()
+            return t
 
     return MoEPipelineStage
 
@@ -214,6 +224,7 @@ class PipelineRuntime:
         self._programs: list = []  # Program per local stage
         self.planned: dict = {}  # stage → Program, once plan_stages compiled every stage (explain)
         self.captured = None  # the whole model's graph of the first step (the ledger reads its attention)
+        self.microbatch_tokens: int | None = None  # this rank's tokens of one microbatch (the ledger's T)
         self._eval: dict = {}  # (outputs, batch shapes) → ({stage: (module, graph)}, fake values)
 
     # -- build -------------------------------------------------------------------------------------
@@ -226,6 +237,9 @@ class PipelineRuntime:
         with materialized(self.released):
             gm, names, batch = capture(cm.model, mb, ("loss",))
         self.captured = gm
+        ids = mb.get("input_ids", mb.get("inputs_embeds"))
+        if isinstance(ids, torch.Tensor):
+            self.microbatch_tokens = int(ids.shape[0] * ids.shape[1])
         graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
         device = next(cm.model.parameters()).device
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
@@ -384,7 +398,7 @@ class PipelineRuntime:
         prog = self.cm.program
         layers = set(self.split.layers_of(s))
         blocks = {p: b for p, b in prog.blocks.items() if _layer_index(p, self.split.layers_path) in layers}
-        return dc.replace(prog, blocks=blocks, graphs={}, records=[], lease_plans={}, kernel_plans={}, compiles=0,
+        return dc.replace(prog, blocks=blocks, graphs={}, training_graphs={}, records=[], lease_plans={}, kernel_plans={}, compiles=0,
                           options=dc.replace(prog.options, forwards_in_flight=self.schedule.in_flight.get(s, 1)),
                           pipeline_stage=s, schedule=self.schedule)
 

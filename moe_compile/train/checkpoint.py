@@ -498,7 +498,7 @@ def _foreign(cm: CompiledMoE) -> frozenset[str]:
     """Checkpoint keys of the parameters other pipeline stages hold (empty at pp = 1)."""
     from .optimizer import STATE_KINDS
 
-    names = [n for n, _ in cm.model.named_parameters() if not cm.owns(n)]
+    names = [n for n, _ in cm.model.named_parameters(remove_duplicate=False) if not cm.owns(n)]  # tied: both keys
     return frozenset([f"model.{n}" for n in names] + [f"optim.{n}.{k}" for n in names for k in STATE_KINDS])
 
 
@@ -527,9 +527,20 @@ def load_checkpoint(path: str | os.PathLike, cm: CompiledMoE, opt: OLMoDDPOptimi
     staged_opt = opt.new_state()
     full = _state(cm, opt, fresh=True, opt_state=staged_opt)
     train = _train_tensors()
-    _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}},
-                         _foreign(cm))
-    _check_semantics(path, manifest, cm)  # the same manifest and blocks on every rank: the same verdict
+    mismatch = None
+    try:
+        _check_against_model(path, {**{k: _shape(v) for k, v in full.items()}, **{k: [] for k in train}},
+                             _foreign(cm))
+        _check_semantics(path, manifest, cm)
+    except CheckpointError as e:
+        mismatch = e
+    # one verdict for all: at pp > 1 each rank checks its own stages' tensors (a position table that grew
+    # lives on the first stage only), and a refusal on one rank left the others waiting in the load
+    if not _all_ok(mismatch is None):
+        if mismatch is not None:
+            raise mismatch
+        raise CheckpointError(f"checkpoint {path} does not match the compiled model on another rank (its error is "
+                              "raised there); nothing was loaded")
     trainable = {f"model.{n}" for n in opt.slots}
     # Trainable parameters come back from the FP32 main weights (copy-back); frozen ones
     # (requires_grad=False, no main weight) from their saved values, with buffers, optimizer, position.
