@@ -682,3 +682,13 @@ def test_ledger_after_a_real_pipeline_step(tmp_path):
         assert r["after_eval"] == r["after"], r
     # a rank whose stages are all dense has no dispatch to read T from: it was n/a after a real step
     assert run_ranks(dense_stage_ledger_worker, 2) == [2 * 16, 2 * 16]
+
+
+def test_train_summary_reads_the_stage_programs(tmp_path):
+    """`moe-compile train` at pp > 1 summarised the whole program's graphs, which a pipeline never
+    captures: "recompute full (None ops)". It reads the rank's stage programs: the ops they recompute."""
+    import re
+
+    out = cli_train(tmp_path, 2, "pp=2", 2, "m.jsonl", "--microbatches", "2", "--activation-checkpointing", "full")
+    m = re.search(r"recompute full \((\w+) ops\)", out)
+    assert m is not None and m.group(1).isdigit() and int(m.group(1)) > 0, out[-500:]

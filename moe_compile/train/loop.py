@@ -294,11 +294,13 @@ def _program_facts(cm: Any) -> dict[str, Any]:
     lowered graphs of this rank's program; a pipeline stage's, on its own rank)."""
     from ..ledger.memory import recomputed_ops
 
-    graphs = cm.program.graphs
-    fusion = sorted({g.meta["moe_dense_fusion"]["mode"] for g in graphs.values() if "moe_dense_fusion" in g.meta})
-    fwd, bwd = graphs.get("forward"), graphs.get("backward")
+    # at pp > 1 the rank's stage programs hold the graphs (the whole program captured none)
+    progs = cm.pipeline._stage_programs() if cm.pipeline is not None else [cm.program]
+    sets = [p.training_graphs for p in progs]
+    fusion = sorted({g.meta["moe_dense_fusion"]["mode"] for gs in sets for g in gs.values() if "moe_dense_fusion" in g.meta})
+    pairs = [(gs["forward"], gs["backward"]) for gs in sets if "forward" in gs and "backward" in gs]
     return {"activation_checkpointing": cm.program.options.activation_checkpointing,
-            "recomputed_ops": recomputed_ops(fwd, bwd) if fwd is not None and bwd is not None else None,
+            "recomputed_ops": sum(recomputed_ops(f, b) for f, b in pairs) if pairs else None,
             "dense_fusion": fusion}
 
 
