@@ -308,8 +308,9 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
     OLMoDDPOptimizer (FP32 main_grad buckets, FP32 main weights and moments ZeRO-1 sharded over each
     family's replicas) instead of a replicated optimizer over the parameters' own gradients.
     ``reduce_scatter``: that optimizer's gradient intake reduce-scatters the buckets (half an all-reduce's
-    bytes, and send and receive buffers beside them); default: as the OLMoDDPOptimizer built over ``cm``
-    does, else as it would decide: on accelerators, not on CPU ranks."""
+    bytes; each bucket's reduced part persists beside it, its packed send rows only while it reduces);
+    default: as the OLMoDDPOptimizer built over ``cm`` does, else as it would decide: on accelerators,
+    not on CPU ranks."""
     prog = cm.program
     if reduce_scatter is None:  # the intake of the OLMoDDPOptimizer built over cm, else the one it would pick
         from ..train.optimizer import auto_reduce_scatter

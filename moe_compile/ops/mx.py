@@ -122,10 +122,7 @@ def grouped_ffn_backward_mx(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cap, d = recv.shape[0], _k(recv.shape[1])
     dtype = pre.dtype
-    valid = int(counts.sum())
-    if not valid:
-        return pre.new_empty(cap, d), torch.zeros_like(w_in), torch.zeros_like(w_out)
-    g_recv = pre.new_empty(cap, d)
+    g_recv = pre.new_empty(cap, d)  # rows past the valid prefix unspecified
     g_w_in, g_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)  # an expert without rows: zero gradient
     f = pre.shape[-1]  # (1 + G)·h: the input-gradient GEMM contracts over it
     for g, r0, r1 in _groups(counts):  # one expert at a time (module docstring)

@@ -172,10 +172,10 @@ def split_batch_check(kwargs: dict[str, Any], m: int) -> int:
 @functools.cache
 def _stage_class():
     """torch's PipelineStage, whose first-step metadata inference runs outside the dropless state: on the
-    first step torch runs each stage once on placeholder activations (stage 1 of the tiny LM sent 112 of
-    its 128 rows to one EP rank) to infer the boundary metadata. Like the stage warm-up, that forward's
-    load is not the run's; counted, it grew the receive capacity to ep·T·K. The placeholders are zeros
-    here, not torch.empty's uninitialised memory."""
+    first step torch runs each stage once on placeholder activations to infer the boundary metadata (on
+    uninitialised ones stage 1 of the tiny LM sent 112 of its 128 rows to one EP rank; on zeros, as here,
+    every row routes alike). Like the stage warm-up, that forward's load is not the run's; counted, it
+    grew the receive capacity to ep·T·K."""
     from torch.distributed.pipelining import PipelineStage
 
     from .dropless import uncounted
