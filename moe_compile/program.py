@@ -39,6 +39,9 @@ class Program:
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
     schedule: object = None  # moe_compile.schedules.ScheduleOrder of a pipeline, which plans are proven against
+    # the gradient reducer the in-graph reduction nodes reach (None: ctx_id's); explain's plan of a stage
+    # another rank holds: that rank's buckets (train/planned_buckets.py)
+    reducer_id: int | None = None
 
     @property
     def num_local(self) -> dict[str, int]:

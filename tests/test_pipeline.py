@@ -548,6 +548,12 @@ def test_explain_reports_each_stage_under_the_schedule(tmp_path):
     for stage, inst in re.findall(r'data-kind="F" data-stage="(\d+)" data-microbatch="\d+" data-instance="(\d+)"', svg):
         used.setdefault(int(stage), set()).add(int(inst))
     assert {s: len(v) for s, v in used.items()} == {0: 2, 1: 1}
+    # a rank of the other stage plans the same rows: a stage this rank does not hold was compiled without
+    # its owner's gradient buckets, so its backward returned every gradient at its end and its high-water
+    # counted them (stage 1 from rank 0 was 2.85 GB over its own rank's figure for OLMoE-1B-7B at seq 256)
+    other = explain(mesh="pp=2,dp=2,ep_mp=2", out_dir=tmp_path / "rank2", model="tiny", rank=2, micro_batches=4,
+                    seq_len=32, dtype="float32", png=False)
+    assert other.pipeline == res.pipeline, (other.pipeline["stages"], res.pipeline["stages"])
 
 
 def test_schedule_lease_instances_by_hand():

@@ -56,8 +56,9 @@ def place_grad_reduction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     prog = ctx.program
     if prog.options.grad_reduction != "in_graph" or prog.options.forwards_in_flight > 1:
         return gm  # several forwards in flight may share one backward: only its end may reduce (hooks)
+    rid = prog.ctx_id if prog.reducer_id is None else prog.reducer_id
     try:
-        red = reducer(prog.ctx_id)
+        red = reducer(rid)
     except RuntimeError:  # no data-parallel reducer (no process group): nothing to reduce
         return gm
     g = gm.graph
@@ -79,10 +80,10 @@ def place_grad_reduction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     for group in red.claim([slot for _, slot, _, _ in produced]):
         last = max((node_of[k] for k in group), key=order.__getitem__)
         with g.inserting_after(last):
-            n = g.call_function(torch.ops.moe_ddp.bucket_ready.default, (prog.ctx_id, group, [node_of[k] for k in group]))
+            n = g.call_function(torch.ops.moe_ddp.bucket_ready.default, (rid, group, [node_of[k] for k in group]))
         n.meta["val"] = None
     with g.inserting_before(out):
-        n = g.call_function(torch.ops.moe_ddp.bucket_wait.default, (prog.ctx_id, produced[-1][3]))
+        n = g.call_function(torch.ops.moe_ddp.bucket_wait.default, (rid, produced[-1][3]))
     n.meta["val"] = None
     for _, _, j, _ in produced:
         grads[j] = None

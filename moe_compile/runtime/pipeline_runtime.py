@@ -379,8 +379,11 @@ class PipelineRuntime:
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
         device = next(cm.model.parameters()).device
         out = {}
+        planned = self._planned_buckets()
         for s in range(self.split.num_stages):
             prog = self._program_for(s)
+            if s % self.pp != self.pp_rank and planned:  # its owner's buckets, so that its backward reduces
+                prog.reducer_id = planned[s % self.pp].id  # as there (this rank's reducer holds none of them)
             g = graphs[s]
             compiled = compile_entry(_stage_entry(g), backend=MoEBackend(prog), fullgraph=True, dynamic=False)
             acts = [_empty_like_val(fake[n], device).zero_().requires_grad_(fake[n].is_floating_point())
@@ -391,6 +394,21 @@ class PipelineRuntime:
             out[s] = prog
         self.planned = out  # every stage's program: the ledger reads the whole model's attention from them
         return out
+
+    def _planned_buckets(self) -> dict[int, Any]:
+        """pp rank → its stages' gradient buckets as its reducer builds them (kept with the plan; none
+        without a reducer)."""
+        from ..train.planned_buckets import planned_buckets
+
+        cm = self.cm
+        if cm.ddp is None:
+            return {}
+        owner = self.split.owner
+        params = [(n, p) for n, p in cm.model.named_parameters() if n in owner]
+        self._planning = {r: planned_buckets(cm.ddp, [(n, p) for n, p in params if owner[n] % self.pp == r],
+                                             cm._expert_names)
+                          for r in range(self.pp) if r != self.pp_rank}
+        return self._planning
 
     def _program_for(self, s: int):
         import dataclasses as dc

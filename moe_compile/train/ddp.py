@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -144,6 +144,37 @@ class GradBucket:
         return self.flat.numel() * self.flat.element_size()
 
 
+def bucket_layout(families: list[ParamFamily], rank: Callable[[nn.Parameter], int | None], bucket_bytes: int,
+                  grad_dtype: torch.dtype | None) -> list[tuple[ParamFamily, torch.dtype, list[nn.Parameter]]]:
+    """The buckets of ``families``' trainable parameters, in bucket order: per family and gradient dtype,
+    in production order (``rank(p)``: p's place in the compiled backwards' production order; None: not
+    produced yet, after the rest, in reverse registration order, roughly the backward's), split once a
+    bucket holds ``bucket_bytes``; ordered by when their last gradient is produced."""
+    trained = [p for fam in families for p in fam.params if p.requires_grad]
+    last = 1 + max((r for p in trained if (r := rank(p)) is not None), default=-1)
+    order = lambda p: r if (r := rank(p)) is not None else last  # noqa: E731
+    out = []
+    for fam in families:
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        params = sorted(reversed([p for p in fam.params if p.requires_grad]), key=order)  # stable
+        for p in params:
+            by_dtype.setdefault(grad_dtype or p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            chunk: list[nn.Parameter] = []
+            size = 0
+            for p in params:
+                chunk.append(p)
+                size += p.numel() * dtype.itemsize
+                if size >= bucket_bytes:
+                    out.append((fam, dtype, chunk))
+                    chunk, size = [], 0
+            if chunk:
+                out.append((fam, dtype, chunk))
+    if last:  # bucket order = the order the compiled backward completes them in
+        out.sort(key=lambda b: max(order(p) for p in b[2]))
+    return out
+
+
 class MultiGroupDistributedDataParallel:
     def __init__(self, families: list[ParamFamily], bucket_bytes: int = 25 * 2**20,
                  grad_dtype: torch.dtype | None = None, host_shm: bool = False) -> None:
@@ -182,26 +213,8 @@ class MultiGroupDistributedDataParallel:
             b.release_shm()
         self.grad_dtype = grad_dtype
         self.buckets, self._where = [], {}
-        last = len(self._rank)  # parameters no compiled backward produced: after the rest, in reverse
-        for fam in self.families:
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            params = list(reversed([p for p in fam.params if p.requires_grad]))  # backward order, roughly
-            params.sort(key=lambda p: self._rank.get(self._slot_of[id(p)], last))  # stable: production order
-            for p in params:
-                by_dtype.setdefault(grad_dtype or p.dtype, []).append(p)
-            for dtype, params in by_dtype.items():
-                chunk: list[nn.Parameter] = []
-                size = 0
-                for p in params:
-                    chunk.append(p)
-                    size += p.numel() * dtype.itemsize
-                    if size >= self.bucket_bytes:
-                        self._add_bucket(fam, dtype, chunk)
-                        chunk, size = [], 0
-                if chunk:
-                    self._add_bucket(fam, dtype, chunk)
-        if self._rank:  # bucket order = the order the compiled backward completes them in
-            self.buckets.sort(key=lambda b: max(self._rank.get(self._slot_of[id(p)], last) for p in b.params))
+        for fam, dtype, chunk in bucket_layout(self.families, self._production_rank(), self.bucket_bytes, grad_dtype):
+            self._add_bucket(fam, dtype, chunk)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 if id(p) in old:  # re-bucketing: carry the accumulated gradient over
@@ -209,6 +222,9 @@ class MultiGroupDistributedDataParallel:
                     p.grad = b.view(i) if b.adopts(i) else None
                 else:
                     b.adopt(i)
+
+    def _production_rank(self):
+        return lambda p: self._rank.get(self._slot_of[id(p)])
 
     def set_grad_dtype(self, dtype: torch.dtype | None) -> None:
         """Re-create the buckets with gradients in ``dtype`` (None: each parameter's own dtype).
