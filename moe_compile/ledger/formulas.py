@@ -157,9 +157,10 @@ M_saved_layer = _def(
     "what the MoE ops of one layer keep for backward: route indices and weights, order, layout, receive "
     "counts, receive buffer, pre-activations, returned rows",
 )
-_def("M_ffn_workspace", C * ((5 + 2 * G) * h_e + d) * b_a, "bytes", "working",
+_def("M_ffn_workspace", C * ((5 + 2 * G) * h_e + d) * b_a + q_mx * 2 * (1 + G) * h_e * d * 4, "bytes", "working",
      "bound on the temporaries inside one moe::grouped_ffn_backward (torch kernels: activation recompute, "
-     "gate/up gradients, input gradient) on top of the graph's values")
+     "gate/up gradients, input gradient; under MXFP8 the torch-op emulation's dequantised FP32 weights of one "
+     "expert, twice: the widest of them and its unscaled copy) on top of the graph's values")
 _def("M_saved_moe", L / pp * M_saved_layer, "bytes", "working",
      "MoE tensors kept for backward, the rank's MoE layers (L/pp; without activation checkpointing, which "
      "recomputes some of them)")

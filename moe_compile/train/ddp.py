@@ -386,10 +386,8 @@ class MultiGroupDistributedDataParallel:
                 "the end of the backward) or grad_reduction='hooks'")
         for k, g in todo:
             b, i = self._where[id(self.slots[k])]
-            if self._pre_scale[k] != 1.0:
-                g = g * self._pre_scale[k]  # as the hooks path's tensor hook
             b.adopt(i)  # a p.grad set elsewhere (or None) becomes the bucket's starting value
-            b.view(i).add_(g)
+            b.view(i).add_(g, alpha=self._pre_scale[k])  # pre-scaled as the hooks path's tensor hook, no temporary
             if self._sync:
                 b.ready.add(i)
         if self._sync:
