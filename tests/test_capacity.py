@@ -75,8 +75,8 @@ def test_compiled_receive_buffer_matches_ledger_and_hand_count():
         seen: list[int] = []
         orig = transport.dispatch_rows
 
-        def dispatch_rows(xs, plan, capacity, what, block=""):
-            recv = orig(xs, plan, capacity, what, block)
+        def dispatch_rows(xs, plan, capacity, what, block="", **kw):
+            recv = orig(xs, plan, capacity, what, block, **kw)
             seen.append(recv.shape[0])
             return recv
 

@@ -6,9 +6,10 @@ Allowed (each necessary, and why):
   uneven splits (gloo's and NCCL's ``all_to_all_single``) takes its split sizes as Python lists, so each
   movement (dispatch, combine and their backward mirrors) reads the send/receive splits (``tolist``) and
   the row totals (``int``) on the host. The symmetric transport (NVSHMEM on GPU) has none.
-* ``runtime/dropless.py:settle`` — once per forward (not per layer): whether any rank would receive more
-  than the dropless capacity (``bool``) and how many rows (``int``). Recompiling for a grown capacity is
-  a host decision; its inputs are read once, after the last MoE layer.
+* ``runtime/dropless.py:settle`` — once per forward (not per layer): one ``tolist`` of whether any rank
+  would receive more than its dropless capacity, how many rows, and the (need, rows) of the destination
+  needing the largest factor. Recompiling for a grown capacity is a host decision; its inputs are read
+  once, after the last MoE layer.
 Everything else on the transport path (route maps, segment offsets, capacity decisions, byte counters)
 stays tensors.
 
@@ -58,4 +59,4 @@ def test_transport_path_has_only_documented_host_syncs(transport):
     print(f"\n{transport}: host reads on the transport path per step: {on_path}")
     assert {k.rsplit("/", 1)[0] for k in on_path} <= allowed, on_path
     settle = sum(n for k, n in on_path.items() if k.startswith("runtime/dropless.py"))
-    assert settle == 2  # one bool and one int per forward (the model has 2 MoE layers: not per layer)
+    assert settle == 1  # one read per forward (the model has 2 MoE layers: not per layer)

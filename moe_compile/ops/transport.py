@@ -26,24 +26,37 @@ def _ctx(ctx: int, ep_size: int, block: str):
     return c
 
 
+def receive_capacities(requested: torch.Tensor, num: int, den: int) -> torch.Tensor:
+    """[ep] receive rows of each rank of the group, ⌈(num/den)·R_r⌉ for the R_r rows rank r routes (all
+    ranks read them off the same all-gathered counts, so all take the same capacity decisions). Exact
+    integer arithmetic, as the pass's ceiling of the same fraction for this rank's own buffer."""
+    rows = requested.sum(dim=(1, 2))
+    return (rows * num + (den - 1)) // den
+
+
 @torch.library.custom_op("moe::dispatch", mutates_args=())
 def dispatch(
-    xs: torch.Tensor, counts: torch.Tensor, ctx: int, block: str, capacity: int, ep_size: int
+    xs: torch.Tensor, counts: torch.Tensor, ctx: int, block: str, capacity: int, ep_size: int,
+    factor_num: int = 0, factor_den: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``capacity``: this rank's receive rows. ``factor_num / factor_den`` (the pass's receive factor:
+    capacity = ⌈factor·R⌉) lets ranks routing different numbers of rows R (batches of different shapes)
+    take each destination's own capacity; 0 (direct calls): ``capacity`` for every rank, same R required."""
     c = _ctx(ctx, ep_size, block)
     requested = c.transport.exchange_counts(counts.view(ep_size, -1), block)
-    kept = keep_counts(requested, capacity)
+    caps = receive_capacities(requested, factor_num, factor_den) if factor_num else capacity
+    kept = keep_counts(requested, caps)
     watch = find_dropless_state(ctx)
     if watch is not None and block in watch.blocks:  # dropless: would any rank receive more than capacity?
-        watch.observe(requested, capacity)  # tensors only; settled once per forward (runtime.dropless)
+        watch.observe(requested, caps)  # tensors only; settled once per forward (runtime.dropless)
     layout = torch.stack([requested, kept])
-    recv = c.transport.dispatch_rows(xs, layout, capacity, "dispatch", block)
+    recv = c.transport.dispatch_rows(xs, layout, capacity, "dispatch", block, same_rows=not factor_num)
     c.stats.record_counts(block, counts, kept[c.ep_rank].reshape(-1))
     return recv, kept[:, c.ep_rank, :].sum(0), layout
 
 
 @dispatch.register_fake
-def _(xs, counts, ctx, block, capacity, ep_size):
+def _(xs, counts, ctx, block, capacity, ep_size, factor_num=0, factor_den=1):
     nl = counts.shape[0] // ep_size
     return (
         xs.new_empty(capacity, xs.shape[1]),
@@ -64,7 +77,7 @@ def _(grad_recv, layout, ctx, block, num_rows):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    xs, _counts, c, block, _cap, _ep = inputs
+    xs, _counts, c, block = inputs[:4]
     ctx.save_for_backward(output[2])
     ctx.cfg = (c, block, xs.shape[0])
     ctx.mark_non_differentiable(output[1], output[2])
@@ -72,7 +85,7 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_bwd(ctx, g_recv, _g_counts, _g_layout):
     (layout,) = ctx.saved_tensors
-    return torch.ops.moe.dispatch_backward(g_recv, layout, *ctx.cfg), None, None, None, None, None
+    return torch.ops.moe.dispatch_backward(g_recv, layout, *ctx.cfg), None, None, None, None, None, None, None
 
 
 dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -92,7 +105,8 @@ def _(out, layout, ctx, block, num_rows):
 @torch.library.custom_op("moe::combine_backward", mutates_args=())
 def combine_backward(grad_back: torch.Tensor, layout: torch.Tensor, ctx: int, block: str, capacity: int) -> torch.Tensor:
     c = _ctx(ctx, layout.shape[1], block)
-    return c.transport.dispatch_rows(grad_back, layout, capacity, "combine_backward", block)
+    # the forward dispatch's layout: its drops were agreed there (whatever rows each rank routes)
+    return c.transport.dispatch_rows(grad_back, layout, capacity, "combine_backward", block, same_rows=False)
 
 
 @combine_backward.register_fake

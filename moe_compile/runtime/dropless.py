@@ -5,11 +5,17 @@ C = ⌈min(ep, f)·R⌉), h = headroom (the first f), ρ = load imbalance = the 
 group receives / R (ρ = 1 uniform; ρ = ep: every row to one rank).
 
     compile          C = ⌈min(ep, f)·R⌉ rows per receive buffer            (f starts at h)
-    every dispatch   need = max_dst Σ_src,e requested[src, dst, e]         (a tensor; same on every rank:
-                     overflow |= need > C;  high_water = max(high_water, need)   the counts are all-gathered)
+    every dispatch   need_dst = Σ_src,e requested[src, dst, e]            (tensors; same on every rank:
+                     overflow |= any(need_dst > C_dst); high_water = max(need)   the counts are all-gathered)
     end of forward   if overflow (one host read per forward, on every rank alike):
                          f ← min(ep, h·2^⌈log2(ρ/h)⌉) (the smallest doubling of h that holds ρ), recorded;
                          recompile for the new C and run the same forward again (inputs and RNG restored)
+
+Ranks routing different numbers of rows (batches of different shapes, all_to_all transport): rank r's
+capacity is ⌈φ·R_r⌉ for its own R_r, and every rank reads every R_r off the all-gathered counts, so the
+watch compares each destination's need with that destination's capacity and the growth holds the
+largest need_r / R_r. A rank routing few rows can then receive more than ep·R_r (up to the group's
+ΣR): only when a load needs it does f grow past ep (``beyond_ep``), uncapped from then on.
 
 An attempt that overflowed dropped tail rows, so its outputs are discarded, never returned: a returned
 forward never dropped a token. Growth is geometric, at most ⌈log2(ep/h)⌉ recompiles over a run, each
@@ -29,19 +35,22 @@ import torch
 DROPLESS_HEADROOM = Fraction(3, 2)  # h: the default first receive factor (CompileOptions.dropless_headroom)
 
 
-def dropless_rows(rows: int, ep: int, factor: Fraction) -> int:
-    """Receive rows ⌈min(ep, f)·rows⌉ (ep = 1: exactly rows — the local group's buffer is its input)."""
-    return math.ceil(min(Fraction(ep), Fraction(factor)) * rows)
+def dropless_rows(rows: int, ep: int, factor: Fraction, beyond_ep: bool = False) -> int:
+    """Receive rows ⌈min(ep, f)·rows⌉ (ep = 1: exactly rows — the local group's buffer is its input);
+    ⌈f·rows⌉ once the factor had to grow past ep (DroplessState.beyond_ep)."""
+    return math.ceil((Fraction(factor) if beyond_ep else min(Fraction(ep), Fraction(factor))) * rows)
 
 
-def grown_factor(headroom: Fraction, factor: Fraction, need: int, rows: int, ep: int) -> Fraction:
+def grown_factor(headroom: Fraction, factor: Fraction, need: int, rows: int, ep: int, cap: bool = True) -> Fraction:
     """After an overflow at factor f: the smallest f·2^k (k ≥ 1) with f·2^k·rows ≥ need, capped at ep (where
-    nothing can overflow). From f = h that is h·2^⌈log2(ρ/h)⌉, as :func:`factor_for_imbalance` predicts."""
+    nothing can overflow). From f = h that is h·2^⌈log2(ρ/h)⌉, as :func:`factor_for_imbalance` predicts.
+    ``cap=False``: ranks route different numbers of rows, and a rank routing few may receive more than ep
+    times its own rows (up to the group's total): the doubling goes past ep."""
     target = Fraction(need, max(rows, 1))
     f = Fraction(factor) * 2
     while f < target:
         f *= 2
-    return min(Fraction(ep), f)
+    return min(Fraction(ep), f) if cap else f
 
 
 def factor_for_imbalance(headroom: Fraction, rho: float, ep: int) -> Fraction:
@@ -71,6 +80,8 @@ class DroplessState:
     blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # block → (R rows, C capacity) compiled
     overflow: torch.Tensor | None = None  # [] bool: this forward, some rank would receive more than C
     need: torch.Tensor | None = None  # [] int64: most rows one rank would receive, this forward
+    worst: torch.Tensor | None = None  # [2] int64: (need, rows) of the destination needing the largest factor
+    beyond_ep: bool = False  # the factor grew past ep (ranks routing different numbers of rows needed it)
     high_water: int = 0  # most rows one rank received, over every settled forward (host int)
     forwards: int = 0
     growths: list[Growth] = field(default_factory=list)
@@ -79,41 +90,64 @@ class DroplessState:
     sync_group: object = None
     ctx_id: int = -1
 
+    @property
+    def receive_factor(self) -> Fraction:
+        """φ: every rank's capacity is ⌈φ·R⌉ for the R rows it routes. min(ep, f): with every rank routing
+        R rows nobody receives more than ep·R; past ep only after ranks routing different R needed it."""
+        return self.factor if self.beyond_ep else min(Fraction(self.ep), Fraction(self.factor))
+
     def capacity(self, block: str, rows: int) -> int:
-        cap = dropless_rows(rows, self.ep, self.factor)
+        cap = dropless_rows(rows, self.ep, self.factor, self.beyond_ep)
         self.blocks[block] = (rows, cap)
         return cap
 
-    def observe(self, requested: torch.Tensor, capacity: int) -> None:
-        """Tensor ops only (no host sync): fold one dispatch's all-gathered counts into the watch."""
-        need = requested.sum(dim=(0, 2)).max()  # [ep, ep, L] → rows each destination would receive → max
-        over = need > capacity
-        self.need = need if self.need is None else torch.maximum(self.need, need)
+    def observe(self, requested: torch.Tensor, capacity: int | torch.Tensor) -> None:
+        """Tensor ops only (no host sync): fold one dispatch's all-gathered counts into the watch.
+        ``capacity``: each destination's receive rows ([ep], or one number for all)."""
+        need_d = requested.sum(dim=(0, 2))  # [ep, ep, L] → rows each destination would receive
+        rows_d = requested.sum(dim=(1, 2)).clamp(min=1)  # rows each rank routes (its capacity is φ·that)
+        over = (need_d > capacity).any()
+        # the destination that needs the largest factor, as exact integers (need, rows) for the growth rule
+        w = torch.argmax(need_d.double() / rows_d.double()).view(1)
+        worst = torch.stack([need_d, rows_d]).index_select(1, w).view(2)
+        need = need_d.max()
+        if self.need is not None:
+            better = worst[0] * self.worst[1] > self.worst[0] * worst[1]
+            worst = torch.where(better, worst, self.worst)
+            need = torch.maximum(self.need, need)
+        self.need, self.worst = need, worst
         self.overflow = over if self.overflow is None else self.overflow | over
 
     def settle(self) -> bool:
         """End of a forward: True when it overflowed (the caller recompiles and reruns it). The one host
         read of the dropless path: a bool and an int per forward, not per layer."""
-        over, need = self.overflow, self.need
-        self.overflow = self.need = None
+        over, need, worst = self.overflow, self.need, self.worst
+        self.overflow = self.need = self.worst = None
         if self.ctx_id in _UNCOUNTED:  # a warm-up forward (outputs dropped): its load is not the run's
             return False
         self.forwards += 1
         if over is None or over.device.type == "meta":  # explain traces on meta tensors: nothing observed
             return False
+        mine = torch.cat([over.to(need.dtype).view(1), need.view(1), worst])
         if self.sync_group is not None:  # one rerun decision for every rank the forward talks to
             import torch.distributed as dist
 
-            both = torch.stack([over.to(need.dtype), need])
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.sync_group)
-            over, need = both[0] > 0, both[1]
-        need_rows = int(need)  # host read (necessary: a recompile is a host decision), once per forward
+            parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.sync_group))]
+            dist.all_gather(parts, mine, group=self.sync_group)
+        else:
+            parts = [mine]
+        # host read (necessary: a recompile is a host decision), once per forward
+        seen = torch.stack(parts).tolist()
+        need_rows = max(p[1] for p in seen)
         self.high_water = max(self.high_water, need_rows)
-        if not bool(over):
+        if not any(p[0] for p in seen):
             return False
-        rows = max(r for r, _ in self.blocks.values()) if self.blocks else 1
+        target = max(Fraction(p[2], p[3]) for p in seen)  # the largest factor some destination needs
         before = self.factor
-        self.factor = grown_factor(self.headroom, before, need_rows, rows, self.ep)
+        self.factor = grown_factor(self.headroom, self.receive_factor, target.numerator, target.denominator,
+                                   self.ep, cap=target <= self.ep and not self.beyond_ep)
+        self.beyond_ep = self.beyond_ep or self.factor > self.ep
+        rows = max(r for r, _ in self.blocks.values()) if self.blocks else 1
         self.growths.append(Growth(self.forwards, need_rows, rows, before, self.factor))
         warnings.warn(f"dropless: a rank would receive {need_rows} rows > capacity; receive factor grows "
                       f"{before} → {self.factor} (×T·K rows), recompiling and rerunning this forward",

@@ -249,7 +249,8 @@ class LeaseRuntime:
                 f"lease plans differ between the ranks of the EP group (signatures by rank: {sigs}): the ranks "
                 "compiled different programs, most often because their batches differ in shape or in which "
                 "inputs they pass (labels on one rank only); every rank of an EP group must pass batches of one "
-                "shape with the same inputs, since symmetric allocation is collective and needs one plan")
+                "shape with the same inputs, since symmetric allocation is collective and needs one plan (the "
+                "all_to_all transport, transport='all_to_all', takes batches of different shapes)")
 
     def _payload(self, name: str) -> tuple[int, Payload]:
         if self.active is None:

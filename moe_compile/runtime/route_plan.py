@@ -4,8 +4,8 @@ Counts travel as ``layout``: an int64 tensor ``[2, ep, ep, L]`` — requested[sr
 kept[src, dst, expert] for the EP-MP group (L = num_local_experts). Every rank holds the same layout,
 so every rank derives the same drops. From it, each rank derives its own :class:`RoutePlan`.
 
-Capacity rule (rank-level, deterministic tail drop): destination rank r takes at most ``capacity``
-rows; its requested rows are ordered by (source rank, local expert, token, k) and the tail is dropped.
+Capacity rule (rank-level, deterministic tail drop): destination rank r takes at most its ``capacity``
+rows (⌈φ·R_r⌉ of the R_r rows it routes itself: the same number on every rank when all route alike); its requested rows are ordered by (source rank, local expert, token, k) and the tail is dropped.
 ``capacity_rows(R, ep, None)`` = ep·T·K is the dropless bound, which no request can exceed; dropless
 dispatch allocates less — the load-following capacity of :mod:`moe_compile.runtime.dropless` — and
 reruns a forward whose counts overflow it, so the tail drop never applies to a returned dropless forward.
@@ -46,11 +46,14 @@ def capacity_rows(rows: int, ep: int, capacity_factor: float | None) -> int:
     return math.ceil(exact_capacity_factor(capacity_factor) * rows)  # Fraction.__ceil__: exact
 
 
-def keep_counts(requested: torch.Tensor, capacity: int) -> torch.Tensor:
-    """kept[src, dst, e] under the capacity rule, for requested[src, dst, e]."""
+def keep_counts(requested: torch.Tensor, capacity: int | torch.Tensor) -> torch.Tensor:
+    """kept[src, dst, e] under the capacity rule, for requested[src, dst, e]; ``capacity``: one number for
+    every destination, or each destination's ([ep] tensor: ranks routing different numbers of rows)."""
     ep, _, nl = requested.shape
     per_dst = requested.permute(1, 0, 2).reshape(ep, ep * nl)  # [dst, (src, e)]
     before = torch.cumsum(per_dst, dim=1) - per_dst
+    if isinstance(capacity, torch.Tensor):
+        capacity = capacity.view(ep, 1)
     kept = torch.minimum(per_dst, (capacity - before).clamp(min=0))
     return kept.reshape(ep, ep, nl).permute(1, 0, 2).contiguous()
 

@@ -113,7 +113,8 @@ class SymmetricTransport(Transport):
                              kept.sum() * row_bytes)
 
     def dispatch_rows(self, xs: torch.Tensor, layout: torch.Tensor, capacity: int, what: str,
-                      block: str = "") -> torch.Tensor:
+                      block: str = "", same_rows: bool = True) -> torch.Tensor:
+        # same_rows is not checked here: the lease plans (pool sizes follow each rank's rows) must agree
         name = payload_name(block, what)
         lease = self.leases.acquire(name)
         r = xs.shape[0]

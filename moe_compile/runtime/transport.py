@@ -29,10 +29,11 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_same_rows(rows_per_rank: list[int], block: str) -> None:
-    """Every rank of an EP-MP group must route as many rows (the same batch shape): each sizes its receive
-    buffer and takes its capacity decisions from its own row count, so peers with other counts would move
-    rows their peers do not expect (gloo aborts the process). Every rank sees the same all-gathered counts,
-    so every rank raises here, before any row moves."""
+    """A dispatch given one capacity for every rank (a direct moe::dispatch call without the pass's receive
+    factor) needs every rank of the EP-MP group to route as many rows: peers with other counts would size
+    their buffers otherwise and move rows their peers do not expect (gloo aborts the process). Every rank
+    sees the same all-gathered counts, so every rank raises here, before any row moves. (Compiled programs
+    pass the factor: each destination's own capacity, any shapes.)"""
     if len(set(rows_per_rank)) > 1:
         by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows_per_rank))
         raise RuntimeFault(
@@ -63,9 +64,11 @@ class Transport(ABC):
         return RoutePlan.from_layout(layout, self.ep_rank)
 
     def dispatch_rows(self, xs: torch.Tensor, layout: torch.Tensor, capacity: int, what: str,
-                      block: str = "") -> torch.Tensor:
+                      block: str = "", same_rows: bool = True) -> torch.Tensor:
+        """``same_rows``: the layout's drops assumed one capacity for every rank (check the ranks agree)."""
         plan = self.plan(layout)
-        check_same_rows(plan.rows_per_rank, block)
+        if same_rows:
+            check_same_rows(plan.rows_per_rank, block)
         send = xs if plan.send_identity else xs.index_select(0, plan.send_index)
         flat = self._move(send, plan.send_splits, plan.recv_splits)
         self._count(what, send, plan.send_splits, plan.me)
