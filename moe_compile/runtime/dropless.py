@@ -120,7 +120,8 @@ class DroplessState:
 
     def settle(self) -> bool:
         """End of a forward: True when it overflowed (the caller recompiles and reruns it). The one host
-        read of the dropless path: a bool and an int per forward, not per layer."""
+        read of the dropless path: one list (overflow, most rows, the worst destination's need and rows) per
+        forward, not per layer."""
         over, need, worst = self.overflow, self.need, self.worst
         self.overflow = self.need = self.worst = None
         if self.ctx_id in _UNCOUNTED:  # a warm-up forward (outputs dropped): its load is not the run's
