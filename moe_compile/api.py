@@ -158,9 +158,15 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     """Features the sharded sequence cannot reproduce exactly: refused before anything is built."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "output_router_logits", False):
-        raise UnsupportedFeatureError(
-            f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
-            "parallelism would use one sequence shard's router statistics; set output_router_logits=False or cp=1")
+        from .runtime.cp_balance_loss import unsupported_balance_loss
+
+        why = "with pp > 1" if spec.pp > 1 else unsupported_balance_loss(model)  # pp = 1: cp_balance_loss.py
+        if why is not None:
+            raise UnsupportedFeatureError(
+                f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
+                f"parallelism {why if spec.pp > 1 else f'({why})'} would use one sequence shard's router "
+                "statistics; set output_router_logits=False, or use pp=1 (there transformers' loss is the whole "
+                "sequences') or cp=1")
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None) or []
     uses_window = (window is not None and getattr(cfg, "use_sliding_window", True) is not False

@@ -80,10 +80,19 @@ class CompiledMoE(nn.Module):
 
             if args:
                 raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
-            out = self._run_compiled((), shard_batch(kwargs, self.program.mesh.cp, self.groups.cp_rank,
-                                                     limit=self.program.cp_seq_limit))
+            from .runtime.cp_balance_loss import unsupported_balance_loss, whole_sequence_balance_loss
+
+            cp = self.program.mesh.cp
+            why = unsupported_balance_loss(self.model) if kwargs.get("output_router_logits") else None
+            if why is not None:
+                raise OptionError(f"context parallelism: output_router_logits=True: {why}; leave it out or use cp=1")
+            shard = shard_batch(kwargs, cp, self.groups.cp_rank, limit=self.program.cp_seq_limit, router_logits=True)
+            with whole_sequence_balance_loss(self.model, self.program.ctx_id, cp):  # its aux/cp on each rank
+                out = self._run_compiled((), shard)
             if getattr(out, "loss", None) is not None:
                 out.loss = LossSum.apply(out.loss, self.groups.cp)
+            if isinstance(getattr(out, "aux_loss", None), torch.Tensor):  # each rank's aux/cp: the whole value
+                out.aux_loss = LossSum.apply(out.aux_loss, self.groups.cp)
             elif isinstance(out, tuple) and out and kwargs.get("labels") is not None:  # return_dict=False: loss first
                 out = (LossSum.apply(out[0], self.groups.cp), *out[1:])
             if getattr(out, "past_key_values", None) is not None:  # config.use_cache: this shard's keys only
@@ -147,7 +156,7 @@ class CompiledMoE(nn.Module):
                 from .runtime.context_parallel import shard_batch
 
                 shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False,
-                            limit=self.program.cp_seq_limit)
+                            limit=self.program.cp_seq_limit, router_logits=True)
         except OptionError as e:
             err = e
         agree_on_batch(self.model, batch, err, same_batch=(self.groups.cp,) if self.groups is not None else ())

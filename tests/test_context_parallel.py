@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from moe_compile import MeshSpec, moe_compile
+from moe_compile.api import _check_context_parallel
 from moe_compile.errors import OptionError, UnsupportedFeatureError
 from moe_compile.runtime.context_parallel import shard_positions
 
@@ -66,7 +67,9 @@ def cp_worker(rank: int, world: int, names: tuple[str, ...], mesh: str, seq: int
         grads = cm.full_grads()
         worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
         counts = cm.expert_counts()
+        aux = getattr(res, "aux_loss", None)
         out[name] = {"loss": res.loss.item(), "ref": ref_losses[dp].item(), "err": rel_err(grads[worst], ref_grads[worst]),
+                     "aux": None if aux is None else (aux.item(), ref(input_ids=b, labels=b).aux_loss.item()),
                      "worst": worst, "names": set(grads) == set(ref_grads), "logits": tuple(res.logits.shape),
                      "empty": sum(int((c["requested"] == 0).sum()) for c in counts.values())}
         cm.close()
@@ -79,11 +82,15 @@ def check(results, seq: int, cp: int) -> None:
             assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), (rank, name, r)
             assert r["names"] and r["err"] <= TOL, (rank, name, r)
             assert r["logits"][1] == seq // cp, r  # each rank keeps its shard
+            if r["aux"] is not None:  # the load-balancing loss: the whole sequences', as the loss above
+                assert abs(r["aux"][0] - r["aux"][1]) <= TOL * abs(r["aux"][1]), (rank, name, r)
 
 
 def test_cp2_ep2_four_ranks():
-    """cp=2 × ep_mp=2: the tiny LM, OLMoE, Mixtral and Qwen3-MoE on 32-token sequences."""
-    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe"), "cp=2,ep_mp=2", 32), 32, 2)
+    """cp=2 × ep_mp=2: the tiny LM, OLMoE, Mixtral and Qwen3-MoE on 32-token sequences; OLMoE with its
+    load-balancing loss (output_router_logits, coefficient 0.05), refused before: a shard's router
+    statistics gave another value (runtime/cp_balance_loss.py gathers the router logits)."""
+    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe", "olmoe_aux"), "cp=2,ep_mp=2", 32), 32, 2)
 
 
 def test_cp2_skewed_routing():
@@ -127,11 +134,12 @@ def unsharded_cp_worker(rank: int, world: int) -> list[str]:
 
     spec, msgs = MeshSpec.parse("cp=2").resolve(world), []
     b = make_batches(1, 2, 8)[0]
-    cm = moe_compile(_model("olmoe"), spec)
-    try:  # the config's output_router_logits was refused, the same per call was not
-        cm(input_ids=b, labels=b, output_router_logits=True)
-    except OptionError as e:
-        msgs.append(str(e))
+    model = _model("olmoe")
+    dense = copy.deepcopy(model)
+    cm = moe_compile(model, spec)
+    # asked per call (accepted and silently a shard's statistics, then refused): the whole sequences' loss
+    got = cm(input_ids=b, labels=b, output_router_logits=True).loss.item()
+    msgs.append(abs(got - dense(input_ids=b, labels=b, output_router_logits=True).loss.item()))
     cm.close()
     llama4 = tiny_family_model("llama4_text", seed=0, attention_chunk_size=None, no_rope_layers=[0, 0],
                                layer_types=["full_attention", "full_attention"], floor_scale=16)
@@ -157,12 +165,12 @@ def unsharded_cp_worker(rank: int, world: int) -> list[str]:
 
 def test_context_parallel_refuses_what_a_shard_would_compute_wrongly():
     """Each was accepted and silently off at cp=2: the load-balancing loss asked per call (a shard's router
-    statistics: loss 7.56 for 6.55 on Mixtral), Llama 4's temperature tuning (positions from the shard's
-    length), a model that shifts the already-shifted shard labels again or averages its shard (loss 11.1
-    for 5.6)."""
+    statistics: loss 7.56 for 6.55 on Mixtral; refused since, and now the whole sequences'), Llama 4's
+    temperature tuning (positions from the shard's length), a model that shifts the already-shifted
+    shard labels again or averages its shard (loss 11.1 for 5.6)."""
     for msgs in run_ranks(unsharded_cp_worker, 2):
         assert len(msgs) == 5, msgs
-        assert "output_router_logits=True asks for the model's load-balancing loss" in msgs[0]
+        assert msgs[0] <= 1e-5 * 6, msgs[0]  # the dense model's loss with its load-balancing term
         assert "a sequence of 16 tokens reaches position 15, where Llama 4's attention temperature" in msgs[1]
         assert msgs[2] <= 1e-5 * 6, msgs[2]  # S = 8 < floor_scale: the dense model's loss (≈ 5.5)
         assert "reads labels and not shift_labels" in msgs[3]
@@ -191,8 +199,8 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
         moe_compile(build_model("tiny"), spec)  # its blocks compute lb / z losses
     except UnsupportedFeatureError as e:
         msgs.append(str(e))
-    try:
-        moe_compile(build_model("olmoe_aux"), spec)
+    try:  # its load-balancing loss is exact at pp = 1 (test_cp2_ep2_four_ranks), not across pipeline stages
+        _check_context_parallel(build_model("olmoe_aux"), MeshSpec.parse("pp=2,cp=2,dp=1"))
     except UnsupportedFeatureError as e:
         msgs.append(str(e))
     from moe_compile.models.hf import tiny_family_model
@@ -246,7 +254,7 @@ def test_context_parallel_bad_input_is_a_clear_error():
     for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs
         assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
-        assert "output_router_logits=True" in msgs[1]
+        assert "output_router_logits=True" in msgs[1] and "pp > 1" in msgs[1]
         assert "layers of kind ['linear_attention']" in msgs[2]
         assert "layers of kind ['chunked_attention']" in msgs[3]
         assert "layers.0.mix is a convolution" in msgs[4]
@@ -335,3 +343,24 @@ def test_ranks_of_one_pipeline_or_cp_group_pass_the_same_batch():
         for m in (msgs[0], msgs[2]):
             assert "pipeline or context-parallel group passed different batches" in m and "no rank started" in m
         assert msgs[1] <= TOL and msgs[3] <= TOL, msgs
+
+
+class _OwnAuxLoss(nn.Module):
+    """A model that computes its own load-balancing term, not through transformers' function."""
+
+    def forward(self, input_ids, labels=None, output_router_logits=False, **kwargs):
+        aux_loss = input_ids.float().mean()
+        return aux_loss
+
+
+def test_load_balancing_loss_the_cp_group_cannot_gather_is_named():
+    """cp_balance_loss wraps transformers' load_balancing_loss_func; a forward that assigns an aux_loss
+    without it would use a shard's statistics, so output_router_logits is refused for it (accepted for
+    every transformers family that computes the loss through the function, or none)."""
+    from moe_compile.models.hf import tiny_family_model
+    from moe_compile.runtime.cp_balance_loss import unsupported_balance_loss
+
+    why = unsupported_balance_loss(_OwnAuxLoss())
+    assert why and "_OwnAuxLoss.forward computes an aux_loss without transformers' load_balancing_loss_func" in why
+    for family in ("olmoe", "deepseek_v3", "hy_v3"):  # the function; no loss at all; "aux_loss=None"
+        assert unsupported_balance_loss(tiny_family_model(family)) is None, family

@@ -1,0 +1,92 @@
+"""The model's load-balancing loss under context parallelism, over the whole sequences (pp = 1).
+
+Terms: CP group, shard (runtime/context_parallel.py). A transformers MoE causal LM with
+``output_router_logits`` adds ``coef · load_balancing_loss_func(router_logits, …)`` to its loss: the
+fraction of routed rows per expert times the mean router probability per expert, over every token of
+the batch. That is bilinear in per-token statistics, so a shard's value (or the mean of the shards'
+values) is not the whole sequence's (Mixtral at cp=2: loss 7.56 for 6.55), and this was refused.
+
+While a CP rank's forward runs (and is traced), the function the model's module calls is wrapped:
+
+    logits_l  ← moe_cp::all_gather(logits_l, dim 0)    every layer's router logits of the CP group's
+                                                        shards (backward: reduce-scatter, the sum of
+                                                        every rank's gradient for this shard's rows)
+    aux       ← the family's own function on them, attention_mask=None (a CP batch has no padding)
+    return aux / cp
+
+Every rank of the group computes the whole-sequence aux; the CP group's loss is the sum of its ranks'
+losses (LossSum), so each adds aux/cp, and the reduce-scatter hands each shard Σ over ranks of
+(1/cp)·∂aux/∂logits = ∂aux/∂logits. ``aux_loss`` in the output is summed over the group like the loss.
+Cost: the router logits all-gathered, [tokens, N] per MoE layer (N experts), against the K/V gathers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+NAME = "load_balancing_loss_func"
+
+
+def _namespace(model: nn.Module) -> dict | None:
+    """The module globals the model's forward reads ``load_balancing_loss_func`` from (None: none)."""
+    g = getattr(inspect.unwrap(type(model).forward), "__globals__", None)  # under transformers' decorators
+    return g if g is not None and callable(g.get(NAME)) else None
+
+
+def whole_sequence(fn: Callable, ctx: int, cp: int) -> Callable:
+    names = list(inspect.signature(fn).parameters)  # read here: the wrapper itself is traced
+    mask = names.index("attention_mask") - 1 if "attention_mask" in names[1:] else None  # its index in *args
+
+    def balance_loss(gate_logits, *args, **kwargs):
+        if isinstance(gate_logits, tuple | list) and gate_logits:
+            gate_logits = tuple(torch.ops.moe_cp.all_gather(t, 0, ctx, cp) for t in gate_logits)
+        if mask is not None:  # a CP batch has no padding (checked per call); the shard's mask fits no gathered row
+            if "attention_mask" in kwargs:
+                kwargs["attention_mask"] = None
+            elif len(args) > mask:
+                args = (*args[:mask], None, *args[mask + 1:])
+        return fn(gate_logits, *args, **kwargs) / cp
+
+    balance_loss.wrapped = fn
+    return balance_loss
+
+
+def unsupported_balance_loss(model: nn.Module) -> str | None:
+    """Why the model's own load-balancing loss cannot be made the whole sequences' (None: it can, or the
+    model computes none): its forward assigns an aux_loss without ``load_balancing_loss_func``."""
+    if _namespace(model) is not None:
+        return None
+    fn = inspect.unwrap(type(model).forward)
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    if re.search(r"\baux_loss\s*=\s*(?!None\b)", src):
+        return (f"{type(model).__name__}.forward computes an aux_loss without transformers' {NAME}, which "
+                "moe_compile gathers over the CP group: it would use one sequence shard's router statistics")
+    return None
+
+
+@contextlib.contextmanager
+def whole_sequence_balance_loss(model: nn.Module, ctx: int, cp: int) -> Iterator[None]:
+    """Inside the block, the model's load-balancing loss is the whole sequences' (module docstring)."""
+    g = _namespace(model)
+    if g is None:
+        yield
+        return
+    orig = g[NAME]
+    base = getattr(orig, "wrapped", orig)
+    g[NAME] = _WRAPPERS.setdefault((id(base), ctx, cp), whole_sequence(base, ctx, cp))
+    try:
+        yield
+    finally:
+        g[NAME] = orig
+
+
+_WRAPPERS: dict[tuple[int, int, int], Callable] = {}  # one object per (function, context): dynamo's guards hold
