@@ -87,13 +87,13 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
 
         phases = outside_phases(model, [s for s, _ in blocks])
     codegen = expert_codegen([s for s, _ in blocks], opts.mxfp8, codegen, opts.codegen)
-    if spec.cp > 1:
+    if spec.cp > 1 and spec.pp > 1:  # pp = 1: the whole sequences' statistics (canonical._block_aux_loss)
         for s, _ in blocks:
             if s.router.lb_coef or s.router.z_coef:
                 raise UnsupportedFeatureError(
                     f"{s.path}: a router load-balancing / z loss computed inside the block (lb={s.router.lb_coef}, "
-                    f"z={s.router.z_coef}) under context parallelism would use one sequence shard's statistics, not "
-                    "the whole sequence's; set the coefficients to 0 or use cp=1")
+                    f"z={s.router.z_coef}) under context parallelism with pp > 1 would use one sequence shard's "
+                    "statistics, not the whole sequence's; set the coefficients to 0, or use pp=1 or cp=1")
     for s, _ in blocks:
         if opts.capacity_factor is not None and (s.router.identity_experts or s.router.null_experts):
             raise UnsupportedFeatureError(

@@ -55,8 +55,7 @@ def _train_parser(sub) -> None:
                    help="continue from the latest checkpoint in --ckpt, under the --mesh and --ranks given now")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--no-router-aux-loss", dest="router_aux_loss", action="store_false",
-                   help="tiny model: no load-balancing / z loss (needed with cp>1, where a sequence shard's router "
-                   "statistics are not the sequence's; the HF families train without theirs)")
+                   help="tiny model: no load-balancing / z loss (the HF families train without theirs)")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:

@@ -31,12 +31,13 @@ def test_train_two_ranks_writes_metrics(tmp_path):
 
 
 def test_train_context_parallel_matches_one_rank(tmp_path):
-    """`train --mesh cp=2` refused the tiny model (its in-block router losses would see one sequence shard);
-    --no-router-aux-loss drops them, and the two sequence shards train as one rank does."""
+    """`train --mesh cp=2` refused the tiny model (its in-block router losses would see one sequence shard),
+    then trained only with --no-router-aux-loss; its blocks now gather the CP group's router logits, and
+    the two sequence shards train as one rank does, load-balancing and z losses included."""
     def run(*args: str) -> list[dict]:
         metrics = tmp_path / f"m{len(args)}.jsonl"
         proc = subprocess.run([sys.executable, "-m", "moe_compile.cli", "train", "--steps", "3", "--seq-len", "32",
-                               "--no-router-aux-loss", "--no-progress", "--metrics-jsonl", str(metrics), *args],
+                               "--no-progress", "--metrics-jsonl", str(metrics), *args],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [json.loads(line) for line in metrics.read_text().splitlines()]

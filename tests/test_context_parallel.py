@@ -36,6 +36,8 @@ TOL = 1e-5
 def _model(name: str):
     if name == "tiny":
         return build_model("tiny", lb_coef=0.0, z_coef=0.0)
+    if name == "tiny_aux":  # its blocks compute load-balancing and z losses themselves
+        return build_model("tiny")
     if name in ("qwen3_moe", "deepseek_v2", "deepseek_v3"):
         from moe_compile.models.hf import tiny_family_model
 
@@ -88,9 +90,11 @@ def check(results, seq: int, cp: int) -> None:
 
 def test_cp2_ep2_four_ranks():
     """cp=2 × ep_mp=2: the tiny LM, OLMoE, Mixtral and Qwen3-MoE on 32-token sequences; OLMoE with its
-    load-balancing loss (output_router_logits, coefficient 0.05), refused before: a shard's router
-    statistics gave another value (runtime/cp_balance_loss.py gathers the router logits)."""
-    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe", "olmoe_aux"), "cp=2,ep_mp=2", 32), 32, 2)
+    load-balancing loss (output_router_logits, coefficient 0.05) and the tiny LM with the load-balancing
+    and z losses its blocks compute, both refused before: a shard's router statistics gave other values
+    (runtime/cp_balance_loss.py and canonical._block_aux_loss gather the router logits)."""
+    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe", "olmoe_aux", "tiny_aux"), "cp=2,ep_mp=2",
+                    32), 32, 2)
 
 
 def test_cp2_skewed_routing():
@@ -195,10 +199,11 @@ def test_shard_positions_are_load_balanced_chunks():
 def bad_cp_worker(rank: int, world: int) -> list[str]:
     spec = MeshSpec.parse("cp=2").resolve(world)
     msgs = []
-    try:
-        moe_compile(build_model("tiny"), spec)  # its blocks compute lb / z losses
-    except UnsupportedFeatureError as e:
-        msgs.append(str(e))
+    tiny = build_model("tiny")  # its blocks compute lb / z losses: refused before, the whole sequences' now
+    want = copy.deepcopy(tiny)(input_ids=make_batches(1, 2, 8)[0], labels=make_batches(1, 2, 8)[0]).loss.item()
+    cm = moe_compile(tiny, spec)
+    msgs.append(abs(cm(input_ids=make_batches(1, 2, 8)[0], labels=make_batches(1, 2, 8)[0]).loss.item() - want))
+    cm.close()
     try:  # its load-balancing loss is exact at pp = 1 (test_cp2_ep2_four_ranks), not across pipeline stages
         _check_context_parallel(build_model("olmoe_aux"), MeshSpec.parse("pp=2,cp=2,dp=1"))
     except UnsupportedFeatureError as e:
@@ -253,7 +258,7 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
 def test_context_parallel_bad_input_is_a_clear_error():
     for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs
-        assert "layers.0.mlp: a router load-balancing / z loss" in msgs[0]
+        assert msgs[0] <= TOL * 6, msgs[0]  # the dense model's loss (≈ 5.5), its blocks' aux losses included
         assert "output_router_logits=True" in msgs[1] and "pp > 1" in msgs[1]
         assert "layers of kind ['linear_attention']" in msgs[2]
         assert "layers of kind ['chunked_attention']" in msgs[3]

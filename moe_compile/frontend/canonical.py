@@ -173,8 +173,26 @@ def _block_forward(self: nn.Module, hidden: torch.Tensor, *extra, **named):
     if spec.returns_logits:
         return y, logits
     if spec.returns_aux:
-        return y, router_aux_loss(logits, idx, spec.router.score_func, spec.router.lb_coef, spec.router.z_coef)
+        return y, _block_aux_loss(logits, idx, spec, self._moe_ctx)
     return y
+
+
+def _block_aux_loss(logits: torch.Tensor, idx: torch.Tensor, spec: MoEBlockSpec, ctx: int) -> torch.Tensor:
+    """The block's own load-balancing / z loss. Under context parallelism (pp = 1) over the whole sequences,
+    as runtime/cp_balance_loss.py does for transformers' loss: the CP group's router logits and routes
+    all-gathered (the logits' gradients reduce-scattered back), each rank adding aux/cp to its part."""
+    import torch.distributed as dist
+
+    from ..runtime import get_context
+
+    r = spec.router
+    group = get_context(ctx).cp_group if (r.lb_coef or r.z_coef) else None
+    cp = dist.get_world_size(group) if group is not None else 1
+    if cp == 1:
+        return router_aux_loss(logits, idx, r.score_func, r.lb_coef, r.z_coef)
+    logits = torch.ops.moe_cp.all_gather(logits.reshape(-1, logits.shape[-1]), 0, ctx, cp)
+    idx = torch.ops.moe_cp.all_gather(idx.reshape(-1, idx.shape[-1]), 0, ctx, cp)
+    return router_aux_loss(logits, idx, r.score_func, r.lb_coef, r.z_coef) / cp
 
 
 def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: torch.Tensor, ctx: int,

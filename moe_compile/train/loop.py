@@ -60,7 +60,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end (when --ckpt is given)
     resume: bool = False
     keep_last: int | None = 3
-    router_aux_loss: bool = True  # tiny model: its load-balancing and z losses (off for context parallelism)
+    router_aux_loss: bool = True  # tiny model: its load-balancing and z losses
     progress: bool = True
 
     def __post_init__(self) -> None:
