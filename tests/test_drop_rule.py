@@ -18,7 +18,6 @@ import torch
 
 import moe_compile  # noqa: F401  (registers the moe:: ops)
 from moe_compile.frontend.recognize import find_candidates
-from moe_compile.ops.transport import receive_capacities
 from moe_compile.runtime.route_plan import RoutePlan, keep_counts
 
 from .common import (
@@ -35,15 +34,14 @@ from .test_parity import TOL, capacity_reference
 # -- 1. the drop rule ----------------------------------------------------------------------------
 
 
-def runtime_keep(idx_per_rank: list[torch.Tensor], num_experts: int, capacity: int | None,
-                 factor: tuple[int, int] = (0, 1)) -> list[torch.Tensor]:
-    """keep[t, k] of each source rank of one EP-MP group as the runtime decides it (``factor``: each
-    destination's capacity ⌈factor·R_dst⌉ of the rows it routes, as compiled programs pass it)."""
+def runtime_keep(idx_per_rank: list[torch.Tensor], num_experts: int, capacity: int | list[int]) -> list[torch.Tensor]:
+    """keep[t, k] of each source rank of one EP-MP group as the runtime decides it (``capacity``: one for
+    every destination, or each destination's own, as ranks exchange them on the all_to_all transport)."""
     ep = len(idx_per_rank)
     perms = [torch.ops.moe.permute(torch.zeros(idx.shape[0], 1), idx, num_experts, "b") for idx in idx_per_rank]
     requested = torch.stack([counts.view(ep, num_experts // ep) for _, _, counts in perms])  # [src, dst, e]
-    if factor[0]:
-        capacity = receive_capacities(requested, *factor)
+    if isinstance(capacity, list):
+        capacity = torch.tensor(capacity)
     layout = torch.stack([requested, keep_counts(requested, capacity)])
     out = []
     for src, (idx, (_, order, _)) in enumerate(zip(idx_per_rank, perms)):
@@ -76,16 +74,17 @@ def test_hand_worked_tail_drop():
 
 
 def test_hand_worked_tail_drop_with_batches_of_different_shapes():
-    """Rank 0 routes one token, rank 1 three (K = 2, experts 0-1 on rank 0, 2-3 on rank 1), factor 1: rank
-    0 receives at most ⌈1·2⌉ = 2 rows, rank 1 ⌈1·6⌉ = 6, whichever rank decides. Destination 0 takes src 0
-    expert 0 token 0, then src 1 expert 0 token 0 (full); it drops src 1 expert 0 tokens 1, 2 and expert 1
-    tokens 0, 1. Destination 1 takes src 0 expert 2 token 0 and src 1 expert 3 token 2."""
+    """Rank 0 routes one token, rank 1 three (K = 2, experts 0-1 on rank 0, 2-3 on rank 1), each with a
+    receive buffer of its own rows (capacity factor 1): rank 0 takes at most 2 rows, rank 1 6, whichever
+    rank decides. Destination 0 takes src 0 expert 0 token 0, then src 1 expert 0 token 0 (full); it drops
+    src 1 expert 0 tokens 1, 2 and expert 1 tokens 0, 1. Destination 1 takes src 0 expert 2 token 0 and
+    src 1 expert 3 token 2."""
     idx = [torch.tensor([[0, 2]]), torch.tensor([[0, 1], [1, 0], [0, 3]])]
     expect = [torch.tensor([[True, True]]), torch.tensor([[True, False], [False, False], [False, True]])]
-    got = runtime_keep(idx, 4, None, factor=(1, 1))
+    got = runtime_keep(idx, 4, [2, 6])
     assert all(torch.equal(g, e) for g, e in zip(got, expect)), got
-    # a factor of 3/2: ⌈1.5·2⌉ = 3 rows for rank 0 keeps src 1 expert 0 token 1 too
-    got = runtime_keep(idx, 4, None, factor=(3, 2))
+    # factor 3/2: ⌈1.5·2⌉ = 3 rows for rank 0 keeps src 1 expert 0 token 1 too
+    got = runtime_keep(idx, 4, [3, 9])
     assert torch.equal(got[1], torch.tensor([[True, False], [False, True], [False, True]])), got
 
 

@@ -7,6 +7,7 @@ gradients the mean over the ranks of each rank's own batch (as DDP averages them
 from __future__ import annotations
 
 import copy
+from fractions import Fraction
 
 from moe_compile import MeshSpec, moe_compile
 from moe_compile.runtime.dropless import find_dropless_state
@@ -15,15 +16,14 @@ from .common import build_model, grads_of, make_batches, rel_err
 from .harness import run_ranks
 
 
-def ragged_worker(rank: int, world: int) -> dict:
+def ragged_worker(rank: int, world: int, schedule: list[tuple[int, ...]]) -> dict:
     model = build_model("tiny")
     dense = copy.deepcopy(model)
-    full = make_batches(world, 4, 16, seed=5)
-    sizes = (1, 4)  # rank 0 routes a quarter of rank 1's rows: it may receive 2.5× its own, past ep_mp = 2
-    batches = [full[r][: sizes[r]] for r in range(world)]
-    cm = moe_compile(model, MeshSpec.parse("ep_mp=2"), transport="all_to_all")
-    out = {}
-    for step in range(2):
+    full = make_batches(world, 4, 16, seed=7)
+    cm = moe_compile(model, MeshSpec.parse(f"ep_mp={world}"), transport="all_to_all")
+    out = {"steps": []}
+    for sizes in schedule:
+        batches = [full[r][: sizes[r]] for r in range(world)]
         for p in cm.parameters():
             p.grad = None
         ids = batches[rank]
@@ -34,26 +34,40 @@ def ragged_worker(rank: int, world: int) -> dict:
         (sum(ref) / world).backward()  # DDP: the mean of the ranks' own mean losses
         got, want = cm.full_grads(), grads_of(dense)
         worst = max(want, key=lambda k: rel_err(got[k], want[k]))
-        out[step] = {"loss_err": rel_err(loss.detach(), ref[rank].detach()), "worst": worst,
-                     "grad_err": rel_err(got[worst], want[worst])}
-    state = find_dropless_state(cm.program.ctx_id)
-    out["factor"] = float(state.factor)
+        rows = sizes[rank] * 16 * 2  # T·K
+        state = find_dropless_state(cm.program.ctx_id)
+        out["steps"].append({"loss_err": rel_err(loss.detach(), ref[rank].detach()), "worst": worst,
+                             "grad_err": rel_err(got[worst], want[worst]), "factor": state.factor,
+                             "capacity": {c for r, c in state.blocks.values() if r == rows},
+                             "group_rows": sum(sizes) * 16 * 2, "rows": rows, "ledger_C": cm.ledger()["C"]})
     out["growths"] = len(state.growths)
-    out["capacity"] = {b: c for b, (_, c) in state.blocks.items()}
-    out["rows"] = sizes[rank] * 16 * 2  # T·K
     cm.close()
     return out
 
 
 def test_ep_ranks_with_batches_of_different_shapes_match_the_dense_model():
-    """Refused before (every rank sized its buffer and its drops from its own rows). Now each step matches
-    the dense model; the receive factor grew past ep_mp (2) where the small rank needed it, and each rank's
-    buffer is that factor times its own rows."""
-    for r in run_ranks(ragged_worker, 2, timeout=240):
-        for step in (0, 1):
-            assert r[step]["loss_err"] <= 1e-5 and r[step]["grad_err"] <= 1e-5, r
-        assert r["growths"] >= 1 and r["factor"] > 2, r
-        assert set(r["capacity"].values()) == {int(-(-r["factor"] * r["rows"] // 1))}, r
+    """Refused before (every rank sized its buffer and its drops from its own rows). Rank 0 routes a
+    quarter of rank 1's rows and may receive 2.5× its own, past ep_mp = 2: the receive factor grows once,
+    to 6 (1.5 doubled twice holds 100/32), each buffer bounded by the most rows the group routed (256, the
+    first step's). Then the shapes swap: a rank runs a graph compiled for that shape before the growth (its
+    capacity travels with its counts, so its peers take it as it is; taking every capacity from the
+    factor, the ranks disagreed and gloo aborted). Every step matches the dense model, and the ledger's C
+    is the buffer the rank holds (it counted min(ep_mp, f)·T·K: 64 for 192 rows)."""
+    for r in run_ranks(ragged_worker, 2, [(4, 4), (1, 4), (4, 1), (4, 4)], timeout=300):
+        for step in r["steps"]:
+            assert step["loss_err"] <= 1e-5 and step["grad_err"] <= 1e-5, r
+        first, ragged = r["steps"][0], r["steps"][1]
+        assert first["factor"] == Fraction(3, 2) and first["capacity"] == {192} == {first["ledger_C"]}, first
+        want = min(6 * ragged["rows"], 256)  # rank 0: 192 rows; rank 1: 256 (6·128 = 768 unbounded)
+        assert ragged["factor"] == 6 and ragged["capacity"] == {want} == {ragged["ledger_C"]}, ragged
+        assert r["growths"] == 1, r  # none for the graphs compiled before it
+
+
+def test_four_ranks_with_batches_of_three_shapes():
+    """ep_mp = 4, batches of 1, 2, 3 and 4 sequences, then another arrangement and one shape."""
+    for r in run_ranks(ragged_worker, 4, [(1, 2, 3, 4), (4, 3, 2, 1), (2, 2, 2, 2)], timeout=300):
+        for step in r["steps"]:
+            assert step["loss_err"] <= 1e-5 and step["grad_err"] <= 1e-5, r
 
 
 def ragged_pipeline_worker(rank: int, world: int) -> list[float]:

@@ -26,37 +26,38 @@ def _ctx(ctx: int, ep_size: int, block: str):
     return c
 
 
-def receive_capacities(requested: torch.Tensor, num: int, den: int) -> torch.Tensor:
-    """[ep] receive rows of each rank of the group, ⌈(num/den)·R_r⌉ for the R_r rows rank r routes (all
-    ranks read them off the same all-gathered counts, so all take the same capacity decisions). Exact
-    integer arithmetic, as the pass's ceiling of the same fraction for this rank's own buffer."""
-    rows = requested.sum(dim=(1, 2))
-    return (rows * num + (den - 1)) // den
-
-
 @torch.library.custom_op("moe::dispatch", mutates_args=())
 def dispatch(
     xs: torch.Tensor, counts: torch.Tensor, ctx: int, block: str, capacity: int, ep_size: int,
-    factor_num: int = 0, factor_den: int = 1,
+    own_capacity: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``capacity``: this rank's receive rows. ``factor_num / factor_den`` (the pass's receive factor:
-    capacity = ⌈factor·R⌉) lets ranks routing different numbers of rows R (batches of different shapes)
-    take each destination's own capacity; 0 (direct calls): ``capacity`` for every rank, same R required."""
+    """``capacity``: this rank's receive rows. ``own_capacity`` (compiled programs): on the all_to_all
+    transport each rank sends its capacity with its counts, so ranks whose buffers differ (batches of
+    different shapes, or a graph compiled before the dropless capacity grew) take every destination's
+    own; otherwise (direct calls, the symmetric transport, whose lease plans must agree) one capacity
+    for every rank, same rows required."""
     c = _ctx(ctx, ep_size, block)
-    requested = c.transport.exchange_counts(counts.view(ep_size, -1), block)
-    caps = receive_capacities(requested, factor_num, factor_den) if factor_num else capacity
+    sent = counts.view(ep_size, -1)
+    ragged = own_capacity and c.transport.name == "all_to_all"
+    if ragged:  # one more column: [dst, L + 1], the last this rank's capacity (in every dst row)
+        sent = torch.cat([sent, sent.new_full((ep_size, 1), capacity)], 1)
+    requested = c.transport.exchange_counts(sent, block)
+    caps = capacity
+    if ragged:
+        caps = requested[:, 0, -1].clone()  # [ep] each rank's receive rows
+        requested = requested[..., :-1].contiguous()
     kept = keep_counts(requested, caps)
     watch = find_dropless_state(ctx)
     if watch is not None and block in watch.blocks:  # dropless: would any rank receive more than capacity?
         watch.observe(requested, caps)  # tensors only; settled once per forward (runtime.dropless)
     layout = torch.stack([requested, kept])
-    recv = c.transport.dispatch_rows(xs, layout, capacity, "dispatch", block, same_rows=not factor_num)
+    recv = c.transport.dispatch_rows(xs, layout, capacity, "dispatch", block, same_rows=not ragged)
     c.stats.record_counts(block, counts, kept[c.ep_rank].reshape(-1))
     return recv, kept[:, c.ep_rank, :].sum(0), layout
 
 
 @dispatch.register_fake
-def _(xs, counts, ctx, block, capacity, ep_size, factor_num=0, factor_den=1):
+def _(xs, counts, ctx, block, capacity, ep_size, own_capacity=False):
     nl = counts.shape[0] // ep_size
     return (
         xs.new_empty(capacity, xs.shape[1]),
@@ -85,7 +86,7 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_bwd(ctx, g_recv, _g_counts, _g_layout):
     (layout,) = ctx.saved_tensors
-    return torch.ops.moe.dispatch_backward(g_recv, layout, *ctx.cfg), None, None, None, None, None, None, None
+    return torch.ops.moe.dispatch_backward(g_recv, layout, *ctx.cfg), None, None, None, None, None, None
 
 
 dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)

@@ -6,8 +6,8 @@ deterministic tail drop (:func:`moe_compile.runtime.route_plan.capacity_rows`). 
 the load, not the mesh (:mod:`moe_compile.runtime.dropless`):
 
     capacity  C = ⌈min(ep_mp, f)·R⌉, f = the program's receive factor (starts at the headroom h = 1.5);
-              the node carries φ = min(ep_mp, f) (or cf) so that every rank knows each rank's C from
-              the counts, whatever rows that rank routes (batches of different shapes)
+              on the all_to_all transport each rank sends its C with its counts, so ranks with other C
+              (batches of different shapes, a graph compiled before C grew) agree on every drop
     dispatch  every rank all-gathers the counts, so every rank knows the rows each rank would receive;
               need = their max (a tensor), overflow |= need > C                 (no host sync)
     forward   ends → one host read of overflow (the same on every rank of the group): if set, f grows
@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from ..ir import DispatchSpec, Stage
 from ..runtime.dropless import dropless_state
-from ..runtime.route_plan import capacity_rows, exact_capacity_factor
+from ..runtime.route_plan import capacity_rows
 from .base import PassContext, moe_nodes, moe_pass, op_arg, propagate_fake, tag_moe_nodes, val_shape
 
 moe = torch.ops.moe
@@ -72,11 +72,9 @@ def insert_dispatch_combine(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         rows = t * k
         block = a["block"]
         if prog.options.capacity_factor is None:  # dropless: the load-following capacity (module docstring)
-            state = dropless_state(prog.ctx_id, prog.ep_size, prog.options.dropless_headroom)
-            cap, phi = state.capacity(block, rows), state.receive_factor
+            cap = dropless_state(prog.ctx_id, prog.ep_size, prog.options.dropless_headroom).capacity(block, rows)
         else:
             cap = capacity_rows(rows, prog.ep_size, prog.options.capacity_factor)
-            phi = exact_capacity_factor(prog.options.capacity_factor)
         ctx.dispatch[block] = DispatchSpec(t, k, cap, prog.options.capacity_factor is None, prog.ep_size,
                                            prog.ep_group_name)
         new: list[fx.Node] = []
@@ -85,8 +83,7 @@ def insert_dispatch_combine(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         with g.inserting_before(node):
             xs, order, counts = items(call(moe.permute.default, (a["x"], a["idx"], a["num_experts"], block)), 3)
             recv, rcounts, layout = items(
-                call(moe.dispatch.default, (xs, counts, a["ctx"], block, cap, prog.ep_size, phi.numerator,
-                                             phi.denominator)), 3
+                call(moe.dispatch.default, (xs, counts, a["ctx"], block, cap, prog.ep_size, True)), 3
             )
             biases = (op_arg(node, "b_in"), op_arg(node, "b_out"))  # expert biases, sharded with their experts
             out = items(call(moe.grouped_ffn.default,

@@ -12,10 +12,14 @@ group receives / R (ρ = 1 uniform; ρ = ep: every row to one rank).
                          recompile for the new C and run the same forward again (inputs and RNG restored)
 
 Ranks routing different numbers of rows (batches of different shapes, all_to_all transport): rank r's
-capacity is ⌈φ·R_r⌉ for its own R_r, and every rank reads every R_r off the all-gathered counts, so the
-watch compares each destination's need with that destination's capacity and the growth holds the
-largest need_r / R_r. A rank routing few rows can then receive more than ep·R_r (up to the group's
-ΣR): only when a load needs it does f grow past ep (``beyond_ep``), uncapped from then on.
+capacity is ⌈min(ep, f)·R_r⌉ for its own R_r, and each rank sends its capacity with its counts, so the
+watch compares each destination's need with that destination's own capacity and the growth holds the
+largest need_r / R_r (every rank reads every R_r off the same counts). A rank routing few rows can then
+receive more than ep·R_r (up to the group's ΣR): only when a load needs it does f grow past ep
+(``beyond_ep``), uncapped from then on, each buffer then bounded by the most rows the group has routed
+in one dispatch (``group_rows``). A rank that runs a graph compiled before a growth (its batch shape's)
+is taken at that graph's capacity; if it overflows, the forward reruns on freshly compiled graphs
+without growing f.
 
 An attempt that overflowed dropped tail rows, so its outputs are discarded, never returned: a returned
 forward never dropped a token. Growth is geometric, at most ⌈log2(ep/h)⌉ recompiles over a run, each
@@ -81,7 +85,9 @@ class DroplessState:
     overflow: torch.Tensor | None = None  # [] bool: this forward, some rank would receive more than C
     need: torch.Tensor | None = None  # [] int64: most rows one rank would receive, this forward
     worst: torch.Tensor | None = None  # [2] int64: (need, rows) of the destination needing the largest factor
+    total: torch.Tensor | None = None  # [] int64: most rows the whole group routed in one dispatch, this forward
     beyond_ep: bool = False  # the factor grew past ep (ranks routing different numbers of rows needed it)
+    group_rows: int = 0  # most rows the whole group routed in one dispatch (host int; bounds C past ep)
     high_water: int = 0  # most rows one rank received, over every settled forward (host int)
     forwards: int = 0
     growths: list[Growth] = field(default_factory=list)
@@ -98,6 +104,8 @@ class DroplessState:
 
     def capacity(self, block: str, rows: int) -> int:
         cap = dropless_rows(rows, self.ep, self.factor, self.beyond_ep)
+        if self.beyond_ep and self.group_rows:  # nobody receives more than the group routes in all
+            cap = min(cap, self.group_rows)
         self.blocks[block] = (rows, cap)
         return cap
 
@@ -111,25 +119,27 @@ class DroplessState:
         w = torch.argmax(need_d.double() / rows_d.double()).view(1)
         worst = torch.stack([need_d, rows_d]).index_select(1, w).view(2)
         need = need_d.max()
+        total = requested.sum()
         if self.need is not None:
             better = worst[0] * self.worst[1] > self.worst[0] * worst[1]
             worst = torch.where(better, worst, self.worst)
             need = torch.maximum(self.need, need)
-        self.need, self.worst = need, worst
+            total = torch.maximum(self.total, total)
+        self.need, self.worst, self.total = need, worst, total
         self.overflow = over if self.overflow is None else self.overflow | over
 
     def settle(self) -> bool:
         """End of a forward: True when it overflowed (the caller recompiles and reruns it). The one host
         read of the dropless path: one list (overflow, most rows, the worst destination's need and rows) per
         forward, not per layer."""
-        over, need, worst = self.overflow, self.need, self.worst
-        self.overflow = self.need = self.worst = None
+        over, need, worst, total = self.overflow, self.need, self.worst, self.total
+        self.overflow = self.need = self.worst = self.total = None
         if self.ctx_id in _UNCOUNTED:  # a warm-up forward (outputs dropped): its load is not the run's
             return False
         self.forwards += 1
         if over is None or over.device.type == "meta":  # explain traces on meta tensors: nothing observed
             return False
-        mine = torch.cat([over.to(need.dtype).view(1), need.view(1), worst])
+        mine = torch.cat([over.to(need.dtype).view(1), need.view(1), worst, total.view(1)])
         if self.sync_group is not None:  # one rerun decision for every rank the forward talks to
             import torch.distributed as dist
 
@@ -141,9 +151,15 @@ class DroplessState:
         seen = torch.stack(parts).tolist()
         need_rows = max(p[1] for p in seen)
         self.high_water = max(self.high_water, need_rows)
+        self.group_rows = max(self.group_rows, max(p[4] for p in seen))
         if not any(p[0] for p in seen):
             return False
         target = max(Fraction(p[2], p[3]) for p in seen)  # the largest factor some destination needs
+        if target <= self.receive_factor:  # a graph compiled for an older capacity (another shape's) or bound
+            warnings.warn(f"dropless: a rank would receive {need_rows} rows > the capacity its graph was compiled "
+                          f"for before; recompiling at receive factor {self.factor} and rerunning this forward",
+                          stacklevel=2)
+            return True
         before = self.factor
         self.factor = grown_factor(self.headroom, self.receive_factor, target.numerator, target.denominator,
                                    self.ep, cap=target <= self.ep and not self.beyond_ep)
@@ -154,6 +170,14 @@ class DroplessState:
                       f"{before} → {self.factor} (×T·K rows), recompiling and rerunning this forward",
                       stacklevel=2)
         return True
+
+    @property
+    def ledger_factor(self) -> Fraction:
+        """The factor the ledger's C = ⌈c_f·T·K⌉ takes: min(ep, f); past ep the compiled buffers' own
+        (bounded by the group's rows)."""
+        if not self.beyond_ep or not self.blocks:
+            return self.receive_factor
+        return max(Fraction(c, max(r, 1)) for r, c in self.blocks.values())
 
 
 _STATES: dict[int, DroplessState] = {}

@@ -29,11 +29,11 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_same_rows(rows_per_rank: list[int], block: str) -> None:
-    """A dispatch given one capacity for every rank (a direct moe::dispatch call without the pass's receive
-    factor) needs every rank of the EP-MP group to route as many rows: peers with other counts would size
+    """A dispatch given one capacity for every rank (a direct moe::dispatch call, without own_capacity) needs
+    every rank of the EP-MP group to route as many rows: peers with other counts would size
     their buffers otherwise and move rows their peers do not expect (gloo aborts the process). Every rank
     sees the same all-gathered counts, so every rank raises here, before any row moves. (Compiled programs
-    pass the factor: each destination's own capacity, any shapes.)"""
+    send each rank's capacity with its counts: any shapes.)"""
     if len(set(rows_per_rank)) > 1:
         by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows_per_rank))
         raise RuntimeFault(
