@@ -87,16 +87,21 @@ class CompiledMoE(nn.Module):
             if why is not None:
                 raise OptionError(f"context parallelism: output_router_logits=True: {why}; leave it out or use cp=1")
             shard = shard_batch(kwargs, cp, self.groups.cp_rank, limit=self.program.cp_seq_limit, router_logits=True)
+            as_tuple = shard.get("return_dict") is False  # run as a ModelOutput: its fields are found by name
+            if as_tuple:
+                shard["return_dict"] = True
             with whole_sequence_balance_loss(self.model, self.program.ctx_id, cp):  # its aux/cp on each rank
                 out = self._run_compiled((), shard)
             if getattr(out, "loss", None) is not None:
                 out.loss = LossSum.apply(out.loss, self.groups.cp)
             if isinstance(getattr(out, "aux_loss", None), torch.Tensor):  # each rank's aux/cp: the whole value
                 out.aux_loss = LossSum.apply(out.aux_loss, self.groups.cp)
-            elif isinstance(out, tuple) and out and kwargs.get("labels") is not None:  # return_dict=False: loss first
-                out = (LossSum.apply(out[0], self.groups.cp), *out[1:])
             if getattr(out, "past_key_values", None) is not None:  # config.use_cache: this shard's keys only
                 out.past_key_values = None
+            if hasattr(out, "to_tuple"):
+                return out.to_tuple() if as_tuple else out
+            if isinstance(out, tuple) and out and kwargs.get("labels") is not None:  # a model's own tuple: loss first
+                out = (LossSum.apply(out[0], self.groups.cp), *out[1:])
             return out
         return self._run_compiled(args, kwargs)
 

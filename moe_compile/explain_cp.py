@@ -37,10 +37,9 @@ def cp_rows(cm, ledger) -> dict[str, Any] | None:
     gathers = [n for n in fwd.graph.nodes if n.op == "call_function" and "moe_cp" in str(n.target)]
     kv = [n for n in gathers if n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 3]
     kv_bytes = sum(_nbytes(n.meta["val"]) for n in kv)
-    # [tokens, N] router logits gathered for a load-balancing loss over the whole sequences (no backward
-    # traffic counted here beyond the reduce-scatter of the same size)
-    router_bytes = sum(_nbytes(n.meta["val"]) for n in gathers
-                       if n.meta["val"].is_floating_point() and n.meta["val"].dim() == 2)
+    # router logits [tokens, N] (and a block's routes [tokens, K]) gathered along the tokens for a
+    # load-balancing loss over the whole sequences; the positions' gather runs along the sequence (dim 1)
+    router_bytes = sum(_nbytes(n.meta["val"]) for n in gathers if n.meta["val"].dim() == 2 and n.args[1] == 0)
     flops = 0
     for n in cm.program.graphs.get("partitioned", fwd).graph.nodes:
         if n.op == "call_function" and "scaled_dot_product" in str(n.target):
@@ -54,7 +53,7 @@ def cp_rows(cm, ledger) -> dict[str, Any] | None:
     scaling = []
     for c in (1, 2, 4, 8):
         scaling.append({"cp": c, "saved_bytes": (saved - kv_bytes) * cp // c + kv_bytes if saved is not None else None,
-                        "attn_flops": 3 * flops * cp // c, "cp_bytes": 2 * kv_bytes * (c - 1) // c})
+                        "attn_flops": 3 * flops * cp // c, "cp_bytes": 2 * (kv_bytes + router_bytes) * (c - 1) // c})
     return {"cp": cp, "kv_gathered_bytes": kv_bytes, "router_gathered_bytes": router_bytes,
             "cp_bytes_per_step": 2 * (kv_bytes + router_bytes) * (cp - 1) // cp,
             "attn_flops_per_step": 3 * flops, "saved_bytes": saved, "scaling": scaling,

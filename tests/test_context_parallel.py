@@ -369,3 +369,36 @@ def test_load_balancing_loss_the_cp_group_cannot_gather_is_named():
     assert why and "_OwnAuxLoss.forward computes an aux_loss without transformers' load_balancing_loss_func" in why
     for family in ("olmoe", "deepseek_v3", "hy_v3"):  # the function; no loss at all; "aux_loss=None"
         assert unsupported_balance_loss(tiny_family_model(family)) is None, family
+
+
+def lb_variants_worker(rank: int, world: int) -> dict:
+    from transformers import OlmoeForCausalLM
+
+    class MyOlmoeForCausalLM(OlmoeForCausalLM):  # a user's subclass: its forward's module has no load_balancing_loss_func
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    base = build_model("olmoe_aux")
+    model = MyOlmoeForCausalLM(base.config)
+    model.load_state_dict(base.state_dict())
+    dense = copy.deepcopy(model)
+    b = make_batches(1, 2, 16, seed=4)[0] % model.config.vocab_size
+    want = dense(input_ids=b, labels=b)
+    cm = moe_compile(model, MeshSpec.parse("cp=2").resolve(world))
+    got = cm(input_ids=b, labels=b)
+    tup = cm(input_ids=b, labels=b, return_dict=False)
+    tup_nolab = cm(input_ids=b, return_dict=False)
+    cm.close()
+    return {"loss": (got.loss.item(), want.loss.item()), "aux": (got.aux_loss.item(), want.aux_loss.item()),
+            "tuple": (tup[0].item(), tup[1].item()), "tuple_aux_only": tup_nolab[0].item()}
+
+
+def test_load_balancing_loss_of_a_subclass_and_as_a_tuple():
+    """Found in review: a subclass of a transformers CausalLM (its forward's module holds no
+    load_balancing_loss_func) ran its parent's on each shard, aux 4.12 for 2.06; return_dict=False left
+    each rank's aux/cp in the tuple (1.03). Both are the whole sequences' now."""
+    for r in run_ranks(lb_variants_worker, 2):
+        (loss, want), (aux, want_aux) = r["loss"], r["aux"]
+        assert abs(loss - want) <= TOL * want and abs(aux - want_aux) <= TOL * want_aux, r
+        assert abs(r["tuple"][0] - want) <= TOL * want and abs(r["tuple"][1] - want_aux) <= TOL * want_aux, r
+        assert abs(r["tuple_aux_only"] - want_aux) <= TOL * want_aux, r

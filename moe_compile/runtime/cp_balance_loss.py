@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -33,10 +34,32 @@ import torch.nn as nn
 NAME = "load_balancing_loss_func"
 
 
-def _namespace(model: nn.Module) -> dict | None:
-    """The module globals the model's forward reads ``load_balancing_loss_func`` from (None: none)."""
-    g = getattr(inspect.unwrap(type(model).forward), "__globals__", None)  # under transformers' decorators
-    return g if g is not None and callable(g.get(NAME)) else None
+def _forwards(model: nn.Module) -> list[Callable]:
+    """Every forward the model's modules run or inherit (under transformers' decorators): a subclass's
+    forward calling its parent's, a wrapper module calling the transformers model it holds."""
+    seen, out = set(), []
+    for mod in model.modules():
+        for cls in type(mod).__mro__:
+            fn = cls.__dict__.get("forward")
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                out.append(inspect.unwrap(fn))
+    return out
+
+
+def _namespaces(model: nn.Module) -> list[dict]:
+    """The module globals those forwards read ``load_balancing_loss_func`` from (found once per model)."""
+    if model not in _FOUND:
+        out = {}
+        for fn in _forwards(model):
+            g = getattr(fn, "__globals__", None)
+            if g is not None and callable(g.get(NAME)):
+                out[id(g)] = g
+        _FOUND[model] = list(out.values())
+    return _FOUND[model]
+
+
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def whole_sequence(fn: Callable, ctx: int, cp: int) -> Callable:
@@ -59,34 +82,34 @@ def whole_sequence(fn: Callable, ctx: int, cp: int) -> Callable:
 
 def unsupported_balance_loss(model: nn.Module) -> str | None:
     """Why the model's own load-balancing loss cannot be made the whole sequences' (None: it can, or the
-    model computes none): its forward assigns an aux_loss without ``load_balancing_loss_func``."""
-    if _namespace(model) is not None:
+    model computes none): a forward of its modules assigns an aux_loss, and none reads ``NAME``."""
+    if _namespaces(model):
         return None
-    fn = inspect.unwrap(type(model).forward)
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    if re.search(r"\baux_loss\s*=\s*(?!None\b)", src):
-        return (f"{type(model).__name__}.forward computes an aux_loss without transformers' {NAME}, which "
-                "moe_compile gathers over the CP group: it would use one sequence shard's router statistics")
+    for fn in _forwards(model):
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        if re.search(r"\baux_loss\s*=\s*(?!None\b)", src):
+            return (f"{fn.__qualname__} computes an aux_loss without transformers' {NAME}, which moe_compile "
+                    "gathers over the CP group: it would use one sequence shard's router statistics")
     return None
 
 
 @contextlib.contextmanager
 def whole_sequence_balance_loss(model: nn.Module, ctx: int, cp: int) -> Iterator[None]:
     """Inside the block, the model's load-balancing loss is the whole sequences' (module docstring)."""
-    g = _namespace(model)
-    if g is None:
-        yield
-        return
-    orig = g[NAME]
-    base = getattr(orig, "wrapped", orig)
-    g[NAME] = _WRAPPERS.setdefault((id(base), ctx, cp), whole_sequence(base, ctx, cp))
+    saved = []
     try:
+        for g in _namespaces(model):
+            orig = g[NAME]
+            base = getattr(orig, "wrapped", orig)
+            saved.append((g, orig))
+            g[NAME] = _WRAPPERS.setdefault((id(base), ctx, cp), whole_sequence(base, ctx, cp))
         yield
     finally:
-        g[NAME] = orig
+        for g, orig in saved:
+            g[NAME] = orig
 
 
 _WRAPPERS: dict[tuple[int, int, int], Callable] = {}  # one object per (function, context): dynamo's guards hold

@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.nn as nn
 
-from .ddp import _REDUCERS, ParamFamily, bucket_layout
+from .ddp import _REDUCERS, MultiGroupDistributedDataParallel, ParamFamily, bucket_layout
 
 _IDS = itertools.count(-1, -1)  # reducer ids of their own: below every runtime context id (≥ 0)
 
@@ -31,11 +31,7 @@ class PlannedBuckets:
         self.id = next(_IDS)
         _REDUCERS[self.id] = self  # weakly: whoever compiles with this id keeps the object
 
-    def slot(self, name: str) -> int | None:
-        try:
-            return self._names.index(name)
-        except ValueError:
-            return None
+    slot = MultiGroupDistributedDataParallel.slot  # by name, over this object's _names
 
     def claim(self, produced: list[int]) -> list[list[int]]:
         """As MultiGroupDistributedDataParallel.claim: the slots grouped by bucket, in bucket order."""
