@@ -44,7 +44,7 @@ def dispatch(
     requested = c.transport.exchange_counts(sent, block)
     caps = capacity
     if ragged:
-        caps = requested[:, 0, -1].clone()  # [ep] each rank's receive rows
+        caps = requested[:, 0, -1]  # [ep] each rank's receive rows
         requested = requested[..., :-1].contiguous()
     kept = keep_counts(requested, caps)
     watch = find_dropless_state(ctx)

@@ -105,7 +105,10 @@ def whole_sequence_balance_loss(model: nn.Module, ctx: int, cp: int) -> Iterator
             orig = g[NAME]
             base = getattr(orig, "wrapped", orig)
             saved.append((g, orig))
-            g[NAME] = _WRAPPERS.setdefault((id(base), ctx, cp), whole_sequence(base, ctx, cp))
+            key = (id(base), ctx, cp)
+            if key not in _WRAPPERS:  # made once: it reads the signature, and the forward runs every step
+                _WRAPPERS[key] = whole_sequence(base, ctx, cp)
+            g[NAME] = _WRAPPERS[key]
         yield
     finally:
         for g, orig in saved:

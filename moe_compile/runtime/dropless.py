@@ -39,10 +39,9 @@ import torch
 DROPLESS_HEADROOM = Fraction(3, 2)  # h: the default first receive factor (CompileOptions.dropless_headroom)
 
 
-def dropless_rows(rows: int, ep: int, factor: Fraction, beyond_ep: bool = False) -> int:
-    """Receive rows ⌈min(ep, f)·rows⌉ (ep = 1: exactly rows — the local group's buffer is its input);
-    ⌈f·rows⌉ once the factor had to grow past ep (DroplessState.beyond_ep)."""
-    return math.ceil((Fraction(factor) if beyond_ep else min(Fraction(ep), Fraction(factor))) * rows)
+def dropless_rows(rows: int, ep: int, factor: Fraction) -> int:
+    """Receive rows ⌈min(ep, f)·rows⌉ (ep = 1: exactly rows — the local group's buffer is its input)."""
+    return math.ceil(min(Fraction(ep), Fraction(factor)) * rows)
 
 
 def grown_factor(headroom: Fraction, factor: Fraction, need: int, rows: int, ep: int, cap: bool = True) -> Fraction:
@@ -103,7 +102,7 @@ class DroplessState:
         return self.factor if self.beyond_ep else min(Fraction(self.ep), Fraction(self.factor))
 
     def capacity(self, block: str, rows: int) -> int:
-        cap = dropless_rows(rows, self.ep, self.factor, self.beyond_ep)
+        cap = math.ceil(self.receive_factor * rows)  # dropless_rows, or ⌈f·rows⌉ past ep
         if self.beyond_ep and self.group_rows:  # nobody receives more than the group routes in all
             cap = min(cap, self.group_rows)
         self.blocks[block] = (rows, cap)

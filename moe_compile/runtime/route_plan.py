@@ -5,8 +5,9 @@ kept[src, dst, expert] for the EP-MP group (L = num_local_experts). Every rank h
 so every rank derives the same drops. From it, each rank derives its own :class:`RoutePlan`.
 
 Capacity rule (rank-level, deterministic tail drop): destination rank r takes at most its ``capacity``
-rows (its own receive buffer, sent with its counts by compiled programs on the all_to_all transport,
-so ranks whose buffers differ — batches of different shapes — agree on every drop); its requested rows are ordered by (source rank, local expert, token, k) and the tail is dropped.
+rows (its own receive buffer, sent with its counts by compiled programs on the all_to_all transport, so
+ranks whose buffers differ — batches of different shapes — agree on every drop); its requested rows are
+ordered by (source rank, local expert, token, k) and the tail is dropped.
 ``capacity_rows(R, ep, None)`` = ep·T·K is the dropless bound, which no request can exceed; dropless
 dispatch allocates less — the load-following capacity of :mod:`moe_compile.runtime.dropless` — and
 reruns a forward whose counts overflow it, so the tail drop never applies to a returned dropless forward.
