@@ -197,6 +197,8 @@ def _families_parser(sub) -> None:
     p.add_argument("--mesh", default="ep_mp=1", help='mesh degrees, e.g. "ep_mp=2" (default: one rank)')
     p.add_argument("--ranks", type=int, default=1, help="local CPU ranks to spawn")
     p.add_argument("--list", action="store_true", help="only list the families, compile nothing")
+    p.add_argument("--router-logits", action="store_true",
+                   help="with output_router_logits=True where the config has it: the load-balancing aux_loss compared too")
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -219,7 +221,7 @@ def cmd_families(args: argparse.Namespace) -> int:
         print(f"moe-compile families: {e}", file=sys.stderr)
         return 2
     try:
-        results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, timeout=24 * 3600)[0]
+        results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, args.router_logits, timeout=24 * 3600)[0]
     except RankFailure as e:
         print(f"moe-compile families failed: {e}", file=sys.stderr)
         return 1

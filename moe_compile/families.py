@@ -7,7 +7,8 @@ The families come from transformers' own registries: every model type of
 
 For each family :func:`check_family` builds a tiny random config (:func:`tiny_family_config`: 2 layers,
 d=64, 8 experts, top-2, vocab 256), runs the dense model and the compiled one on the same batches and
-compares the loss and every gradient (fp32). The outcome is one of:
+compares the loss and every gradient (fp32); with ``output_router_logits=True`` among the config overrides,
+the load-balancing ``aux_loss`` too (the sweep's ``router_logits``). The outcome is one of:
 
 * ``compiled``: parity within ``tol`` (max relative error of each tensor against its own scale), or,
   for a gradient the fp32 dense model itself does not get to ``tol`` (an ill-conditioned one, e.g. the
@@ -104,7 +105,8 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
         paths = tuple(n for n, _ in model.named_modules() if n)
         batches = _batches(world, model.config.get_text_config().vocab_size)
         ref, pristine = copy.deepcopy(model), copy.deepcopy(model)
-        ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+        ref_outs = [ref(input_ids=b, labels=b) for b in batches]
+        ref_losses = [o.loss for o in ref_outs]
         torch.stack(ref_losses).mean().backward()
         ref_grads = _grads(ref)
         del ref
@@ -128,6 +130,12 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
             cm.close()
     ref_loss = ref_losses[rank].item()
     loss_err = abs(out.loss.item() - ref_loss) / max(1.0, abs(ref_loss))
+    ref_aux = getattr(ref_outs[rank], "aux_loss", None)
+    if isinstance(ref_aux, torch.Tensor):  # output_router_logits: the load-balancing loss on its own
+        aux = getattr(out, "aux_loss", None)
+        if not isinstance(aux, torch.Tensor):
+            return result("wrong", f"the dense model returns aux_loss {ref_aux.item():.4g}, the compiled one {aux!r}")
+        loss_err = max(loss_err, abs(aux.item() - ref_aux.item()) / max(1.0, abs(ref_aux.item())))
     if set(grads) != set(ref_grads):
         return result("wrong", f"gradient names differ: {sorted(set(grads) ^ set(ref_grads))[:4]}")
     worst = max(grads, key=lambda n: _rel(grads[n], ref_grads[n]))
@@ -208,22 +216,34 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
 
 
 def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1,
-          progress=None) -> list[FamilyResult]:
-    """:func:`check_family` for every family (default: all of :func:`moe_families`), in order."""
+          progress=None, router_logits: bool = False) -> list[FamilyResult]:
+    """:func:`check_family` for every family (default: all of :func:`moe_families`), in order.
+    ``router_logits``: with ``output_router_logits=True`` on the families whose config has the flag."""
+    from .models.hf import tiny_family_config
+
     out = []
     for f in families if families is not None else moe_families():
-        out.append(check_family(f, mesh, rank, world))
+        overrides = {}
+        if router_logits:
+            try:
+                cfg = tiny_family_config(f)
+            except Exception:  # noqa: BLE001 - check_family reports the config it cannot build
+                cfg = None
+            if cfg is not None and hasattr(cfg, "output_router_logits"):
+                overrides["output_router_logits"] = True
+        out.append(check_family(f, mesh, rank, world, **overrides))
         if progress is not None:
             progress(out[-1])
     return out
 
 
-def sweep_worker(rank: int, world: int, families: list[str] | None, mesh: str) -> list[FamilyResult]:
+def sweep_worker(rank: int, world: int, families: list[str] | None, mesh: str,
+                 router_logits: bool = False) -> list[FamilyResult]:
     """For :func:`moe_compile.runtime.launcher.spawn_ranks`: one rank of a sweep."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return sweep(families, mesh, rank, world)
+    return sweep(families, mesh, rank, world, router_logits=router_logits)
 
 
 def format_table(results: list[FamilyResult]) -> str:

@@ -72,7 +72,7 @@ def _router_reads(spec: MoEBlockSpec) -> tuple[set[str], set[str]] | None:
     """Names (exact, and prefixes of child modules) relative to the router module that the canonical form
     reads; None when the router's own forward runs (it reads everything it holds)."""
     r = spec.router
-    if r.logits_from_forward:
+    if r.own_forward:
         return None
     exact = {a for a in (r.weight_attr, r.logit_bias_attr, r.input_scale_attr, r.expert_scale_attr,
                          r.weight_scale_attr) if a}

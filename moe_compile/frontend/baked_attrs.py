@@ -96,7 +96,7 @@ def _replaced_modules(block: nn.Module, spec: MoEBlockSpec) -> list[tuple[str, n
     if spec.mode == "block":
         out.append(("", block))
     router = getattr(block, spec.router_attr, None) if spec.router_attr else None
-    if isinstance(router, nn.Module) and not spec.router.logits_from_forward:  # else its own forward runs
+    if isinstance(router, nn.Module) and not spec.router.own_forward:  # else its own forward runs
         out.append((spec.router_attr, router))
     experts = getattr(block, spec.experts_attr, None) if spec.experts_attr else None
     if isinstance(experts, nn.Module):

@@ -83,6 +83,8 @@ def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.T
     # as the block's forward must have cast it (gate(x.float())) for the plain model to run at all
     if logits is None and spec.mode == "block" and isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward:
         logits = router(x2.to(router.weight.dtype))
+    elif logits is None and r.call_router:  # called, not read: hooks on it see its logits (output_router_logits)
+        logits = router(x2).reshape(x2.shape[0], -1)
     elif logits is None:  # the router's own weight, or the Linear one level down (router.gate, gate.wg, …)
         w = _bias(router, r.weight_attr)
         logits = F.linear(router_input(router, r, x2).to(w.dtype), w, _bias(router, r.logit_bias_attr))

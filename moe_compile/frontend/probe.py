@@ -281,13 +281,13 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
     if c.router_extras.get("shared_scored"):  # its router returns the shared gammas too: the block's forward is ours
         mode = "block"
     outputs = ("logits", "weights", "indices")
-    returns_logits = False
+    returns_logits = calls_router = False
 
     def spec_for(v, o: tuple, returns_aux: bool, checked: bool) -> MoEBlockSpec:
         scaling, on_input, sf, rn, fp, bias_on = o
         r = RouterSpec(c.experts.num_experts, c.top_k, sf, rn, scaling, fp, c.bias_attr, c.lb_coef, c.z_coef,
                        *c.groups, weight_attr=c.weight_attr, outputs=outputs, logit_bias_attr=c.logit_bias_attr,
-                       weights_on_input=on_input, bias_on=bias_on, **c.router_extras)
+                       weights_on_input=on_input, bias_on=bias_on, call_router=calls_router, **c.router_extras)
         return MoEBlockSpec(
             path=c.path, index=0, mode=mode, router_attr=c.router_attr, experts_attr=c.experts_attr,
             experts=v.experts, shared_attr=c.shared_attr, shared_gate_attr=c.shared_gate_attr,
@@ -324,7 +324,8 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
     with torch.no_grad(), _probe_router(c, gen), _probe_experts(c, gen, cache):
         if mode == "components" and _router_returns_logits_only(c, x):
-            mode = "block"  # (DBRX) top-k is in the block's forward: the canonical forward replaces it
+            # (DBRX) top-k is in the block's forward: the canonical forward replaces it and calls the router
+            mode, calls_router = "block", True
         try:
             ref, ref_aux, outputs, ref_second = _reference(c, x, mode)
             returns_logits = ref_second is not None  # the canonical block returns its router logits there

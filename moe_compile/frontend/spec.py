@@ -43,6 +43,13 @@ class RouterSpec:
     #                                    run as dense graph code, gives the logits (and any outputs after its
     #                                    three); moe::router re-derives weights and indices from those logits
     null_experts: int = 0  # Z skip classes scored after the N routed ones (Zaya): a row routed to one adds nothing
+    call_router: bool = False  # block mode: the router module returns logits only (DBRX) and the canonical forward
+    #                            calls it, so hooks on it (transformers' router-logit recorders) see them
+
+    @property
+    def own_forward(self) -> bool:
+        """The router module's own forward runs in the compiled form (it reads everything it holds)."""
+        return self.logits_from_forward or self.call_router
 
     @property
     def bias_in_router(self) -> bool:
