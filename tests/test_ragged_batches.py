@@ -36,10 +36,11 @@ def ragged_worker(rank: int, world: int, schedule: list[tuple[int, ...]]) -> dic
         worst = max(want, key=lambda k: rel_err(got[k], want[k]))
         rows = sizes[rank] * 16 * 2  # T·K
         state = find_dropless_state(cm.program.ctx_id)
+        led = cm.ledger()
         out["steps"].append({"loss_err": rel_err(loss.detach(), ref[rank].detach()), "worst": worst,
                              "grad_err": rel_err(got[worst], want[worst]), "factor": state.factor,
                              "capacity": {c for r, c in state.blocks.values() if r == rows},
-                             "group_rows": sum(sizes) * 16 * 2, "rows": rows, "ledger_C": cm.ledger()["C"]})
+                             "group_rows": sum(sizes) * 16 * 2, "rows": rows, "ledger": {k: led[k] for k in ("C", "C_bound")}})
     out["growths"] = len(state.growths)
     cm.close()
     return out
@@ -52,14 +53,17 @@ def test_ep_ranks_with_batches_of_different_shapes_match_the_dense_model():
     first step's). Then the shapes swap: a rank runs a graph compiled for that shape before the growth (its
     capacity travels with its counts, so its peers take it as it is; taking every capacity from the
     factor, the ranks disagreed and gloo aborted). Every step matches the dense model, and the ledger's C
-    is the buffer the rank holds (it counted min(ep_mp, f)·T·K: 64 for 192 rows)."""
+    is the buffer the rank holds (it counted min(ep_mp, f)·T·K: 64 for 192 rows); its bound C_bound is the
+    most rows the group routed (it counted ep_mp·T·K: 64 rows for rank 0's 192-row buffer)."""
     for r in run_ranks(ragged_worker, 2, [(4, 4), (1, 4), (4, 1), (4, 4)], timeout=300):
         for step in r["steps"]:
             assert step["loss_err"] <= 1e-5 and step["grad_err"] <= 1e-5, r
         first, ragged = r["steps"][0], r["steps"][1]
-        assert first["factor"] == Fraction(3, 2) and first["capacity"] == {192} == {first["ledger_C"]}, first
+        assert first["factor"] == Fraction(3, 2) and first["capacity"] == {192} == {first["ledger"]["C"]}, first
         want = min(6 * ragged["rows"], 256)  # rank 0: 192 rows; rank 1: 256 (6·128 = 768 unbounded)
-        assert ragged["factor"] == 6 and ragged["capacity"] == {want} == {ragged["ledger_C"]}, ragged
+        assert ragged["factor"] == 6 and ragged["capacity"] == {want} == {ragged["ledger"]["C"]}, ragged
+        for step in r["steps"]:  # the bound: the most rows the group routed so far (256 from the first step)
+            assert step["ledger"]["C_bound"] == 256 >= step["ledger"]["C"], step
         assert r["growths"] == 1, r  # none for the graphs compiled before it
 
 

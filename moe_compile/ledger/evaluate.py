@@ -157,7 +157,8 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
                   activation_dtype: torch.dtype | None, tokens: int | None,
                   seq_len: int | None, dropless_factor=None, dropless_headroom=None,
                   load_imbalance: float | None = None, sharded_optimizer: bool = False,
-                  reduce_scatter: bool = False, mx_dense_params: int = 0) -> tuple[dict[str, int | float | None], list[str]]:
+                  reduce_scatter: bool = False, mx_dense_params: int = 0,
+                  group_rows: int | None = None) -> tuple[dict[str, int | float | None], list[str]]:
     notes: list[str] = []
     spec, dnode = _dispatch_spec(graphs)
     if spec is not None:
@@ -178,7 +179,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         m_s=shape.m_s, G_s=1, sigma_s=0, P_bb=counts.backbone, P_lookup=counts.lookup, P_vec=counts.vector,
         pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep_dp=mesh.ep_dp, ep_mp=mesh.ep_mp,
         c_f=(dropless_factor or min(mesh.ep_mp, h_d)) if capacity_factor is None else capacity_factor,
-        h_d=h_d, rho=load_imbalance,
+        h_d=h_d, rho=load_imbalance, g_r=mesh.ep_mp,
         m=micro_batches, T=tokens, S=seq_len, b_w=b_w, b_g=4 if sharded_optimizer else b_w, b_a=b_a, b_r=4 if shape.fp32_route_weights else b_a,
         b_i=8, b_main=4 if main_weights else 0, b_opt=optimizer_state_bytes, q_mx=int(mxfp8),
         z_1=int(sharded_optimizer), z_rs=int(reduce_scatter), P_mx_dense=mx_dense_params, H=None,
@@ -199,6 +200,8 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         v["S"] = v["S"] or s * mesh.cp  # captured before the CP pass: a shard's keys; its queries see all S
     if tokens is not None:
         v["B"] = micro_batches * tokens * mesh.cp
+        if group_rows and group_rows > mesh.ep_mp * tokens * shape.K:  # ranks routed different rows (ragged)
+            v["g_r"] = Fraction(group_rows, tokens * shape.K)
     else:
         notes.append("token-dependent figures need T: run one forward (or pass tokens=)")
     return v, notes
@@ -312,6 +315,7 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
     default: as the OLMoDDPOptimizer built over ``cm`` does, else as it would decide: on accelerators,
     not on CPU ranks."""
     prog = cm.program
+    observed = tokens is None  # the graphs' own shapes: the most rows the group routed bounds C (ragged batches)
     if reduce_scatter is None:  # the intake of the OLMoDDPOptimizer built over cm, else the one it would pick
         from ..train.optimizer import auto_reduce_scatter
 
@@ -343,7 +347,7 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         mxfp8=prog.options.mxfp8 is not None, activation_dtype=act, tokens=tokens, seq_len=seq_len,
         dropless_factor=state.ledger_factor if state is not None else None, load_imbalance=load_imbalance or 1,
         dropless_headroom=prog.options.dropless_headroom, sharded_optimizer=sharded_optimizer,
-        reduce_scatter=reduce_scatter,
+        reduce_scatter=reduce_scatter, group_rows=state.group_rows if state is not None and observed else None,
         mx_dense_params=sum(s.param.numel() for s in prog.dense_weight_stores.values()),
     )
     if cm.pipeline is not None:

@@ -42,6 +42,7 @@ from .symbols import (
     dp,
     ep_dp,
     ep_mp,
+    g_r,
     h_d,
     h_e,
     m,
@@ -83,11 +84,14 @@ def _def(name: str, expr: sp.Expr, unit: str, group: str, doc: str) -> sp.Symbol
 R = _def("R", T * K, "rows", "routing", "routed rows per rank per MoE layer (T·K)")
 C = _def("C", sp.ceiling(c_f * T * K), "rows", "routing",
          "receive-buffer rows per rank per MoE layer (capacity; dropless: ceil(min(ep_mp, f)·T·K), f ≥ h_d)")
-_f_rho = sp.Min(ep_mp, h_d * 2 ** sp.Max(0, sp.ceiling(sp.log(rho / h_d, 2))))
+# nobody receives more than the group routes in all (g_r·T·K: ep_mp·T·K when every rank routes T·K)
+_f_rho = sp.Min(g_r, h_d * 2 ** sp.Max(0, sp.ceiling(sp.log(rho / h_d, 2))))
 C_rho = _def("C_rho", sp.ceiling(_f_rho * T * K), "rows", "routing",
              "dropless receive rows once the capacity followed a load of imbalance rho (h_d doubled until it "
-             "holds rho, at most ep_mp)")
-_def("C_bound", ep_mp * T * K, "rows", "routing", "dropless bound ep_mp·T·K (what a static dropless buffer needs)")
+             "holds rho, at most the group's rows g_r·T·K)")
+C_bound = _def("C_bound", g_r * T * K, "rows", "routing",
+               "dropless bound: the group's rows g_r·T·K, ep_mp·T·K when every rank routes T·K (what a static "
+               "dropless buffer needs)")
 # one dispatched row as it travels and is received: d activations, or under MXFP8 (q_mx = 1) one packed
 # qdata–scale row of d E4M3 bytes and d/32 E8M0 scales; the combine mirror's gradient rows likewise
 _mx_row = q_mx * (d + d / 32) + (1 - q_mx) * d * b_a
@@ -96,8 +100,8 @@ _def("M_recv_rho", C_rho * _recv_row, "bytes", "working",
      "dropless: capacity-sized buffers of one MoE layer (receive, expert output, pre-activations) at imbalance rho")
 _def("M_recv_uniform", sp.ceiling(sp.Min(ep_mp, h_d) * T * K) * _recv_row, "bytes", "working",
      "the same at rho ≤ h_d (uniform routing): the headroom capacity")
-_def("M_recv_bound", ep_mp * T * K * _recv_row, "bytes", "working",
-     "the same at the bound ep_mp·T·K (all rows to one rank; what a static dropless buffer always costs)")
+_def("M_recv_bound", C_bound * _recv_row, "bytes", "working",
+     "the same at the bound C_bound (all rows to one rank; what a static dropless buffer always costs)")
 L_loc = _def("L_loc", N / ep_mp, "experts", "routing", "num_local_experts: routed experts stored per EP-MP rank")
 
 # -- parameters -------------------------------------------------------------------------------

@@ -61,6 +61,8 @@ c_f = _sym("c_f", "capacity factor: receive rows per rank = ceil(c_f T K); dropl
            "min(ep_mp, f) the program compiled (f starts at the headroom h_d, doubles on overflow)")
 h_d = _sym("h_d", "dropless headroom: the first receive factor (runtime.dropless.DROPLESS_HEADROOM)")
 rho = _sym("rho", "load imbalance: the most rows one rank receives / T·K (1 uniform, ep_mp: all to one rank)")
+g_r = _sym("g_r", "group load: the most rows the EP-MP group routes in one dispatch / T·K (ep_mp when every rank "
+           "routes T·K; more for a rank whose batch is smaller than its peers')")
 H = _sym("H", "high-water: simultaneously live symmetric payloads of one stage and family", "payloads")
 
 # -- bytes per element ----------------------------------------------------------------------
