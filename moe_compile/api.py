@@ -87,13 +87,6 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
 
         phases = outside_phases(model, [s for s, _ in blocks])
     codegen = expert_codegen([s for s, _ in blocks], opts.mxfp8, codegen, opts.codegen)
-    if spec.cp > 1 and spec.pp > 1:  # pp = 1: the whole sequences' statistics (canonical._block_aux_loss)
-        for s, _ in blocks:
-            if s.router.lb_coef or s.router.z_coef:
-                raise UnsupportedFeatureError(
-                    f"{s.path}: a router load-balancing / z loss computed inside the block (lb={s.router.lb_coef}, "
-                    f"z={s.router.z_coef}) under context parallelism with pp > 1 would use one sequence shard's "
-                    "statistics, not the whole sequence's; set the coefficients to 0, or use pp=1 or cp=1")
     for s, _ in blocks:
         if opts.capacity_factor is not None and (s.router.identity_experts or s.router.null_experts):
             raise UnsupportedFeatureError(
@@ -108,7 +101,8 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     stats = RuntimeStats()
     transport, leases, kind = make_transport(spec, groups, opts, stats)
     ctx_id = register_context(RuntimeContext(transport, stats, leases=leases,
-                                             cp_group=groups.cp if groups is not None else None))
+                                             cp_group=groups.cp if groups is not None else None,
+                                             cp_aux_divisor=spec.cp if spec.pp == 1 else 1))
     canonicalize(blocks, spec.ep_mp, ep_rank, ctx_id)
     baked = baked_attrs([(s, c.block) for s, c in blocks])
     if spec.cp > 1 and spec.ep_mp > 1 and opts.capacity_factor is None:
@@ -160,13 +154,12 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     if getattr(cfg, "output_router_logits", False):
         from .runtime.cp_balance_loss import unsupported_balance_loss
 
-        why = "with pp > 1" if spec.pp > 1 else unsupported_balance_loss(model)  # pp = 1: cp_balance_loss.py
+        why = unsupported_balance_loss(model)  # else runtime/cp_balance_loss.py makes it the whole sequences'
         if why is not None:
             raise UnsupportedFeatureError(
                 f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
-                f"parallelism {why if spec.pp > 1 else f'({why})'} would use one sequence shard's router "
-                "statistics; set output_router_logits=False, or use pp=1 (there transformers' loss is the whole "
-                "sequences') or cp=1")
+                f"parallelism ({why}) would use one sequence shard's router statistics; set "
+                "output_router_logits=False or use cp=1")
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None) or []
     uses_window = (window is not None and getattr(cfg, "use_sliding_window", True) is not False

@@ -80,13 +80,11 @@ class CompiledMoE(nn.Module):
 
             if args:
                 raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
-            from .runtime.cp_balance_loss import unsupported_balance_loss, whole_sequence_balance_loss
+            from .runtime.cp_balance_loss import check_balance_loss, whole_sequence_balance_loss
 
             cp = self.program.mesh.cp
-            why = unsupported_balance_loss(self.model) if kwargs.get("output_router_logits") else None
-            if why is not None:
-                raise OptionError(f"context parallelism: output_router_logits=True: {why}; leave it out or use cp=1")
-            shard = shard_batch(kwargs, cp, self.groups.cp_rank, limit=self.program.cp_seq_limit, router_logits=True)
+            check_balance_loss(self.model, kwargs)
+            shard = shard_batch(kwargs, cp, self.groups.cp_rank, limit=self.program.cp_seq_limit)
             as_tuple = shard.get("return_dict") is False  # run as a ModelOutput: its fields are found by name
             if as_tuple:
                 shard["return_dict"] = True
@@ -159,9 +157,11 @@ class CompiledMoE(nn.Module):
             b = split_batch_check(batch, m)
             if self.program.mesh.cp > 1:
                 from .runtime.context_parallel import shard_batch
+                from .runtime.cp_balance_loss import check_balance_loss
 
+                check_balance_loss(self.model, batch)
                 shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False,
-                            limit=self.program.cp_seq_limit, router_logits=True)
+                            limit=self.program.cp_seq_limit)
         except OptionError as e:
             err = e
         agree_on_batch(self.model, batch, err, same_batch=(self.groups.cp,) if self.groups is not None else ())

@@ -1,7 +1,7 @@
 """Context-parallel figures for ``moe-compile explain`` (mesh with cp > 1).
 
 Glossary: C / CP, S, B. Read from the compiled graphs of the explained rank (one micro-batch of B
-sequences of S tokens; this rank holds S/cp of each):
+sequences of S tokens; this rank holds S/cp of each; at pp > 1 the graphs of this rank's stages):
 
     kv_gathered      bytes the K/V all-gathers return per step (every layer, one micro-batch)
     cp_bytes         bytes a rank receives in the K/V all-gathers, (cp−1)/cp of kv_gathered, and the
@@ -28,20 +28,32 @@ def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
+def _forward_graphs(cm) -> list[tuple[Any, Any]]:
+    """(forward, partitioned-or-forward) of the whole program, or at pp > 1 of each of this rank's stages."""
+    progs = cm.pipeline._programs if cm.pipeline is not None else [cm.program]
+    out = []
+    for p in progs:
+        graphs = p.training_graphs if cm.pipeline is not None else p.graphs
+        fwd = graphs.get("forward")
+        if fwd is not None:
+            out.append((fwd, graphs.get("partitioned", fwd)))
+    return out
+
+
 def cp_rows(cm, ledger) -> dict[str, Any] | None:
     spec = cm.program.mesh
-    fwd = cm.program.graphs.get("forward")
-    if spec.cp == 1 or fwd is None:
+    graphs = _forward_graphs(cm) if spec.cp > 1 else []
+    if not graphs:
         return None
     cp = spec.cp
-    gathers = [n for n in fwd.graph.nodes if n.op == "call_function" and "moe_cp" in str(n.target)]
+    gathers = [n for fwd, _ in graphs for n in fwd.graph.nodes if n.op == "call_function" and "moe_cp" in str(n.target)]
     kv = [n for n in gathers if n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 3]
     kv_bytes = sum(_nbytes(n.meta["val"]) for n in kv)
     # router logits [tokens, N] (and a block's routes [tokens, K]) gathered along the tokens for a
     # load-balancing loss over the whole sequences; the positions' gather runs along the sequence (dim 1)
     router_bytes = sum(_nbytes(n.meta["val"]) for n in gathers if n.meta["val"].dim() == 2 and n.args[1] == 0)
     flops = 0
-    for n in cm.program.graphs.get("partitioned", fwd).graph.nodes:
+    for n in (n for _, part in graphs for n in part.graph.nodes):
         if n.op == "call_function" and "scaled_dot_product" in str(n.target):
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             b, h, sq, hd = (int(x) for x in q.shape)

@@ -213,7 +213,7 @@ def data_dependent_worker(rank, world):
     """The same model under a pipeline (its own capture of the whole model) and under context parallelism."""
     out = {}
     for mesh in ("pp=2", "cp=2"):
-        model = build_model("tiny", lb_coef=0.0, z_coef=0.0)  # in-block aux losses are refused under cp
+        model = build_model("tiny", lb_coef=0.0, z_coef=0.0)
         model.layers[0].attn_norm = DataDependent(model.layers[0].attn_norm)
         cm = moe_compile(model, MeshSpec.parse(mesh), **({"microbatches": 2} if mesh == "pp=2" else {}))
         ids = make_batches(1)[0]

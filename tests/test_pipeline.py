@@ -120,13 +120,14 @@ IN_FLIGHT = {"gpipe": {0: 2, 1: 2}, "1f1b": {0: 2, 1: 1}, "interleaved_1f1b": {0
 
 
 def test_pipeline_ep_schedules_four_ranks():
-    """pp=2 × ep_mp=2: GPipe, 1F1B, Interleaved1F1B on the tiny LM, 1F1B on OLMoE, and a first stage
+    """pp=2 × ep_mp=2: GPipe, 1F1B, Interleaved1F1B on the tiny LM, 1F1B on OLMoE (with its load-balancing
+    loss: the router logits of stage 0 travel to the last stage across the boundary), and a first stage
     that holds only a dense layer."""
     cases = [
         {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "gpipe", "m": 2},
         {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
         {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "interleaved_1f1b", "m": 4, "layers": 4},
-        {"model": "olmoe", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
+        {"model": "olmoe_aux", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
         {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 2, "layers": 3,
          "model_kw": {"dense_layers": (0,)}, "options": {"pp_split": ["layers.1"]}},
     ]
@@ -568,28 +569,53 @@ def test_schedule_lease_instances_by_hand():
                                                      ("F", 3, 1), ("B", 2, 0), ("B", 3, 1)]
 
 
-def pp_cp_worker(rank: int, world: int, mesh: str, names: tuple[str, ...]) -> list[dict]:
+def masked_labels(b: torch.Tensor) -> torch.Tensor:
+    """Loss tokens spread unevenly over the CP shards (cp=2, 16 tokens: shard 0 holds positions 0–3 and
+    12–15, shard 1 positions 4–11) and the 2 microbatches: in the second, shard 1 has none."""
+    labels = b.clone()
+    labels[0, 6:10] = -100
+    labels[1, 1:4] = -100
+    labels[2:, 3:] = -100  # targets of positions 0 and 1 only
+    return labels
+
+
+def weighted_reference(model, b: torch.Tensor, labels: torch.Tensor, m: int):
+    """The step's loss: microbatch j's loss (its token mean and its load-balancing term) weighted by its
+    share of the batch's loss tokens, as train_step defines it; and its gradients."""
+    ref = copy.deepcopy(model)
+    n = [(y[:, 1:] != -100).sum().item() for y in labels.chunk(m)]
+    loss = sum(ref(input_ids=x, labels=y).loss * (k / sum(n)) for x, y, k in zip(b.chunk(m), labels.chunk(m), n))
+    loss.backward()
+    return loss.item(), grads_of(ref)
+
+
+def pp_cp_worker(rank: int, world: int, mesh: str, names: tuple[str, ...], masked: bool = False) -> list[dict]:
     """pp=2 × cp=2: each stage's ranks hold sequence shards; every rank of the pipeline and CP group
-    passes the same batch."""
+    passes the same batch (``masked``: with labels masked unevenly over the shards)."""
     out = []
     spec = MeshSpec.parse(mesh).resolve(world)
     for name in names:
         model = _model(name, 2, **({"lb_coef": 0.0, "z_coef": 0.0} if name == "tiny" else {}))
         batches = make_batches(spec.dp, 4, 16, seed=4)
-        ref_losses, ref_grads = dense_reference(model, batches, 2)
         b = batches[spec.dense_coords(rank)[1]]
+        labels = masked_labels(b) if masked else b
+        if masked:
+            ref_loss, ref_grads = weighted_reference(model, b, labels, 2)
+        else:
+            ref_losses, ref_grads = dense_reference(model, batches, 2)
+            ref_loss = ref_losses[spec.dense_coords(rank)[1]]
         with torch.no_grad():  # forward-only reference: the weights train_step reads (no optimizer step)
-            dense = copy.deepcopy(model)(input_ids=b, labels=b)
+            dense = copy.deepcopy(model)(input_ids=b, labels=labels)
         cm = moe_compile(model, spec, microbatches=2, schedule="1f1b")
-        loss = cm.train_step(input_ids=b, labels=b)
+        loss = cm.train_step(input_ids=b, labels=labels)
         grads = cm.full_grads()
         worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
         with torch.no_grad():  # forward-only: this rank's shard of the logits, the whole sequences' loss
-            ev = cm(input_ids=b, labels=b)
+            ev = cm(input_ids=b, labels=labels)
             pos = cm.cp_positions(b.shape[1])
             with pytest.raises(OptionError, match="position_ids cannot be passed"):  # later stages derive them
                 cm(input_ids=b, labels=b, position_ids=torch.arange(b.shape[1]).expand_as(b))
-        out.append({"name": name, "loss": loss.item(), "ref": ref_losses[spec.dense_coords(rank)[1]],
+        out.append({"name": name, "loss": loss.item(), "ref": ref_loss,
                     "err": rel_err(grads[worst], ref_grads[worst]), "worst": worst,
                     "eval_logits_err": rel_err(ev.logits, dense.logits[:, pos]),
                     "eval_loss": (ev.loss.item(), dense.loss.item())})
@@ -597,16 +623,30 @@ def pp_cp_worker(rank: int, world: int, mesh: str, names: tuple[str, ...]) -> li
     return out
 
 
-def test_pipeline_with_context_parallelism():
-    """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM and OLMoE; then
-    forward-only evaluation of the same batch: each rank's shard of the dense model's logits and its loss."""
-    for rank, per in enumerate(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe"))):
+def check_pp_cp(results) -> None:
+    for rank, per in enumerate(results):
         for r in per:
             assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), (rank, r)
             assert r["err"] <= TOL, (rank, r)
             assert r["eval_logits_err"] <= TOL, (rank, r)
             a, b = r["eval_loss"]
             assert abs(a - b) <= TOL * abs(b), (rank, r)
+
+
+def test_pipeline_with_context_parallelism():
+    """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM and OLMoE; then
+    forward-only evaluation of the same batch: each rank's shard of the dense model's logits and its loss."""
+    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe")))
+
+
+def test_load_balancing_losses_under_pipeline_and_context_parallelism():
+    """pp=2 × cp=2 with load-balancing losses (refused before): OLMoE's transformers loss
+    (output_router_logits) and the tiny LM's in-block lb and z losses, with labels masked unevenly over the
+    shards and microbatches (one shard of the second microbatch without loss tokens). Each CP rank adds the
+    whole sequences' aux; the schedule's token-share weights make it the microbatch's (cp_balance_loss.py).
+    Step loss and gradients match the dense model's token-share-weighted microbatch losses, and evaluation
+    its loss on the whole batch."""
+    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("olmoe_aux", "tiny_aux"), True))
 
 
 def test_a_layer_that_is_the_moe_block_and_per_layer_inputs_from_later_modules():

@@ -180,21 +180,23 @@ def _block_forward(self: nn.Module, hidden: torch.Tensor, *extra, **named):
 
 
 def _block_aux_loss(logits: torch.Tensor, idx: torch.Tensor, spec: MoEBlockSpec, ctx: int) -> torch.Tensor:
-    """The block's own load-balancing / z loss. Under context parallelism (pp = 1) over the whole sequences,
-    as runtime/cp_balance_loss.py does for transformers' loss: the CP group's router logits and routes
-    all-gathered (the logits' gradients reduce-scattered back), each rank adding aux/cp to its part."""
+    """The block's own load-balancing / z loss. Under context parallelism over the whole sequences, as
+    runtime/cp_balance_loss.py does for transformers' loss: the CP group's router logits and routes
+    all-gathered (the logits' gradients reduce-scattered back), each rank adding aux/cp to its part at
+    pp = 1 and the whole aux at pp > 1 (the context's cp_aux_divisor; that module's docstring says why)."""
     import torch.distributed as dist
 
     from ..runtime import get_context
 
     r = spec.router
-    group = get_context(ctx).cp_group if (r.lb_coef or r.z_coef) else None
+    rc = get_context(ctx)
+    group = rc.cp_group if (r.lb_coef or r.z_coef) else None
     cp = dist.get_world_size(group) if group is not None else 1
     if cp == 1:
         return router_aux_loss(logits, idx, r.score_func, r.lb_coef, r.z_coef)
     logits = torch.ops.moe_cp.all_gather(logits.reshape(-1, logits.shape[-1]), 0, ctx, cp)
     idx = torch.ops.moe_cp.all_gather(idx.reshape(-1, idx.shape[-1]), 0, ctx, cp)
-    return router_aux_loss(logits, idx, r.score_func, r.lb_coef, r.z_coef) / cp
+    return router_aux_loss(logits, idx, r.score_func, r.lb_coef, r.z_coef) / rc.cp_aux_divisor
 
 
 def install(block: nn.Module, spec: MoEBlockSpec, w_in: torch.Tensor, w_out: torch.Tensor, ctx: int,

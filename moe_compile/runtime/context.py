@@ -25,6 +25,9 @@ class RuntimeContext:
     leases: LeaseRuntime | None = None  # symmetric transport: lease pools over the symmetric heap
     weight_stores: dict[tuple[str, str], Any] = field(default_factory=dict)  # (block, which) → FP8WeightStore
     cp_group: Any = None  # context-parallel process group (K/V all-gather); None at cp = 1
+    # a CP rank's whole-sequence aux loss is divided by this: cp at pp = 1 (the group's losses are summed),
+    # 1 at pp > 1 (each rank's loss weighted by its share of the loss tokens: the shares sum to 1)
+    cp_aux_divisor: int = 1
 
     def weight_store(self, block: str, which: str) -> Any:
         try:

@@ -39,21 +39,17 @@ def shard_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True,
-                limit: int | None = None, router_logits: bool = False) -> dict[str, Any]:
+                limit: int | None = None) -> dict[str, Any]:
     """The model kwargs of this CP rank's shard (see the module docstring). ``count=False``: no
     num_items_in_batch (the model returns its shard's mean; a pipeline weights it per microbatch).
-    ``limit``: the program's ``cp_seq_limit`` (sequences that long or longer are refused). ``router_logits``:
-    the caller runs the model's load-balancing loss over the whole sequences (runtime/cp_balance_loss.py;
-    pp = 1), so output_router_logits=True is taken."""
+    ``limit``: the program's ``cp_seq_limit`` (sequences that long or longer are refused).
+    output_router_logits=True is passed on: the caller runs the model's load-balancing loss over the
+    whole sequences (runtime/cp_balance_loss.py)."""
     ids = kwargs.get("input_ids")
     if ids is None or ids.dim() != 2:
         raise OptionError("context parallelism needs input_ids of shape [batch, sequence]")
     if "inputs_embeds" in kwargs:
         raise OptionError("context parallelism shards input_ids; inputs_embeds is not supported")
-    if kwargs.get("output_router_logits") and not router_logits:  # a pipeline: as api._check_context_parallel
-        raise OptionError("context parallelism with pp > 1: output_router_logits=True asks for the model's "
-                          "load-balancing loss, which would use one sequence shard's router statistics; leave it "
-                          "out, or use pp=1 (there it is the whole sequences': runtime/cp_balance_loss.py) or cp=1")
     if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or "cache_position" in kwargs:
         raise OptionError("context parallelism: a KV cache (use_cache=True, past_key_values, cache_position) would "
                           "hold one rank's shard of the keys, out of sequence order; pass use_cache=False")

@@ -1,4 +1,4 @@
-"""The model's load-balancing loss under context parallelism, over the whole sequences (pp = 1).
+"""The model's load-balancing loss under context parallelism, over the whole sequences.
 
 Terms: CP group, shard (runtime/context_parallel.py). A transformers MoE causal LM with
 ``output_router_logits`` adds ``coef · load_balancing_loss_func(router_logits, …)`` to its loss: the
@@ -12,11 +12,15 @@ While a CP rank's forward runs (and is traced), the function the model's module 
                                                         shards (backward: reduce-scatter, the sum of
                                                         every rank's gradient for this shard's rows)
     aux       ← the family's own function on them, attention_mask=None (a CP batch has no padding)
-    return aux / cp
+    return aux / q                                      q: the context's cp_aux_divisor
 
-Every rank of the group computes the whole-sequence aux; the CP group's loss is the sum of its ranks'
-losses (LossSum), so each adds aux/cp, and the reduce-scatter hands each shard Σ over ranks of
-(1/cp)·∂aux/∂logits = ∂aux/∂logits. ``aux_loss`` in the output is summed over the group like the loss.
+Every rank of the group computes the whole-sequence aux. At pp = 1 the CP group's loss is the sum of
+its ranks' losses (LossSum), so each adds aux/cp (q = cp), and the reduce-scatter hands each shard Σ
+over ranks of (1/cp)·∂aux/∂logits = ∂aux/∂logits; ``aux_loss`` in the output is summed over the group
+like the loss. At pp > 1 the schedule weights rank r's loss of microbatch j by its share n_rj/N of the
+batch's loss tokens (runtime/pipeline_runtime.py), so each adds the whole aux (q = 1): Σ_r n_rj/N·aux_j
+is aux_j weighted by microbatch j's share, as at cp = 1, however unevenly the labels are masked across
+the shards (the weights sum over the group to the microbatch's, and aux_j is the same on every rank).
 Cost: the router logits all-gathered, [tokens, N] per MoE layer (N experts), against the K/V gathers.
 """
 
@@ -62,7 +66,7 @@ def _namespaces(model: nn.Module) -> list[dict]:
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def whole_sequence(fn: Callable, ctx: int, cp: int) -> Callable:
+def whole_sequence(fn: Callable, ctx: int, cp: int, divisor: int) -> Callable:
     names = list(inspect.signature(fn).parameters)  # read here: the wrapper itself is traced
     mask = names.index("attention_mask") - 1 if "attention_mask" in names[1:] else None  # its index in *args
 
@@ -74,7 +78,7 @@ def whole_sequence(fn: Callable, ctx: int, cp: int) -> Callable:
                 kwargs["attention_mask"] = None
             elif len(args) > mask:
                 args = (*args[:mask], None, *args[mask + 1:])
-        return fn(gate_logits, *args, **kwargs) / cp
+        return fn(gate_logits, *args, **kwargs) / divisor
 
     balance_loss.wrapped = fn
     return balance_loss
@@ -96,18 +100,31 @@ def unsupported_balance_loss(model: nn.Module) -> str | None:
     return None
 
 
+def check_balance_loss(model: nn.Module, kwargs: dict) -> None:
+    """A call asking for the load-balancing loss (``output_router_logits=True``) of a model whose loss
+    cannot be made the whole sequences': OptionError naming why."""
+    why = unsupported_balance_loss(model) if kwargs.get("output_router_logits") else None
+    if why is not None:
+        from ..errors import OptionError
+
+        raise OptionError(f"context parallelism: output_router_logits=True: {why}; leave it out or use cp=1")
+
+
 @contextlib.contextmanager
 def whole_sequence_balance_loss(model: nn.Module, ctx: int, cp: int) -> Iterator[None]:
     """Inside the block, the model's load-balancing loss is the whole sequences' (module docstring)."""
+    from . import get_context
+
+    divisor = get_context(ctx).cp_aux_divisor
     saved = []
     try:
         for g in _namespaces(model):
             orig = g[NAME]
             base = getattr(orig, "wrapped", orig)
             saved.append((g, orig))
-            key = (id(base), ctx, cp)
+            key = (id(base), ctx, cp, divisor)
             if key not in _WRAPPERS:  # made once: it reads the signature, and the forward runs every step
-                _WRAPPERS[key] = whole_sequence(base, ctx, cp)
+                _WRAPPERS[key] = whole_sequence(base, ctx, cp, divisor)
             g[NAME] = _WRAPPERS[key]
         yield
     finally:
@@ -115,4 +132,4 @@ def whole_sequence_balance_loss(model: nn.Module, ctx: int, cp: int) -> Iterator
             g[NAME] = orig
 
 
-_WRAPPERS: dict[tuple[int, int, int], Callable] = {}  # one object per (function, context): dynamo's guards hold
+_WRAPPERS: dict[tuple[int, int, int, int], Callable] = {}  # one object per (function, context): dynamo's guards hold

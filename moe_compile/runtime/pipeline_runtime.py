@@ -228,6 +228,17 @@ class PipelineRuntime:
         self._eval: dict = {}  # (outputs, batch shapes) → ({stage: (module, graph)}, fake values)
 
     # -- build -------------------------------------------------------------------------------------
+    def _capture(self, mb: dict[str, Any], outputs: tuple[str, ...]):
+        """The whole model's graph; under cp > 1 with its load-balancing loss over the whole sequences
+        (runtime/cp_balance_loss.py: each rank adds the whole aux, weighted by its share of the tokens)."""
+        cm = self.cm
+        if cm.program.mesh.cp == 1:
+            return capture(cm.model, mb, outputs)
+        from .cp_balance_loss import whole_sequence_balance_loss
+
+        with whole_sequence_balance_loss(cm.model, cm.program.ctx_id, cm.program.mesh.cp):
+            return capture(cm.model, mb, outputs)
+
     def _build(self, mb: dict[str, Any]) -> None:
         from ..backend import MoEBackend
         from ..passes.split_stages import split_graph
@@ -235,7 +246,7 @@ class PipelineRuntime:
 
         cm, prog = self.cm, self.cm.program
         with materialized(self.released):
-            gm, names, batch = capture(cm.model, mb, ("loss",))
+            gm, names, batch = self._capture(mb, ("loss",))
         self.captured = gm
         ids = mb.get("input_ids", mb.get("inputs_embeds"))
         if isinstance(ids, torch.Tensor):
@@ -338,9 +349,11 @@ class PipelineRuntime:
         spec = self.cm.program.mesh
         if spec.cp > 1:  # this rank's sequence shard of every microbatch (runtime/context_parallel.py)
             from .context_parallel import shard_batch
+            from .cp_balance_loss import check_balance_loss
 
             labels = kwargs["labels"]
             _refuse_position_ids(kwargs)
+            check_balance_loss(self.cm.model, kwargs)
             kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False,
                                  limit=self.cm.program.cp_seq_limit)
             # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
@@ -374,7 +387,7 @@ class PipelineRuntime:
         from ..passes.split_stages import split_graph
 
         cm = self.cm
-        gm, names, batch = capture(cm.model, mb, ("loss",))
+        gm, names, batch = self._capture(mb, ("loss",))
         graphs = split_graph(gm, self.split, names, batch, cm.model)
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
         device = next(cm.model.parameters()).device
@@ -426,18 +439,27 @@ class PipelineRuntime:
         boundary activations travel point-to-point, and the last stage's logits (and loss, given
         labels) are broadcast to every rank of the pipeline. Under cp > 1 every rank runs its
         sequence shard (as without a pipeline: runtime/context_parallel.py): the logits are the
-        shard's (positions ``cm.cp_positions(S)``), the loss the whole sequences' (the CP group's sum)."""
+        shard's (positions ``cm.cp_positions(S)``), the loss the whole sequences': each rank's shard mean
+        weighted by its share of the loss tokens and summed over the CP group, as train_step weights it
+        (so a load-balancing loss is added whole on each rank in both: runtime/cp_balance_loss.py)."""
         if args:
             raise OptionError("a pipelined CompiledMoE takes its batch by keyword (input_ids=..., labels=...)")
         if torch.is_grad_enabled():
             raise OptionError("a pipelined CompiledMoE (pp > 1) trains through cm.train_step(input_ids=..., "
                               "labels=...); calling it directly is forward-only evaluation: use torch.no_grad()")
         cp = self.cm.program.mesh.cp
-        if cp > 1:  # the shard's loss is its part of the whole batch's mean (num_items_in_batch: all tokens)
+        share = None
+        if cp > 1:  # the shard's mean loss, weighted by its share of the batch's loss tokens
             from .context_parallel import shard_batch
+            from .cp_balance_loss import check_balance_loss
 
             _refuse_position_ids(kwargs)
-            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank, limit=self.cm.program.cp_seq_limit)
+            check_balance_loss(self.cm.model, kwargs)
+            labels = kwargs.get("labels")
+            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank, count=False, limit=self.cm.program.cp_seq_limit)
+            if labels is not None:
+                total = (labels[..., 1:] != -100).sum().double()
+                share = ((kwargs["shift_labels"] != -100).sum().double() / total).float() if total > 0 else None
         outputs = ("logits", "loss") if kwargs.get("labels") is not None else ("logits",)
         key = (outputs, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in kwargs.items()
                                      if isinstance(v, torch.Tensor))))
@@ -463,11 +485,12 @@ class PipelineRuntime:
                     dist.send(t.contiguous(), group=cm.groups.pp, group_dst=(k + 1) % pp)
             else:
                 result = tuple(out)
-                if cp > 1 and "loss" in outputs:  # Σ over the CP group's shards: the whole sequences' loss
+                if cp > 1 and "loss" in outputs:  # Σ over the CP group's weighted shards: the whole sequences'
                     from ..ops.context_parallel import LossSum
 
                     i = outputs.index("loss")
-                    result = (*result[:i], LossSum.apply(result[i], cm.groups.cp), *result[i + 1:])
+                    part = weighted_loss(result[i], share) if share is not None else result[i] * float("nan")
+                    result = (*result[:i], LossSum.apply(part, cm.groups.cp), *result[i + 1:])
         last = (S - 1) % pp
         final = stages[S - 1][1] if S - 1 in stages else None
         names = final.activations_out if final is not None else None
@@ -488,7 +511,7 @@ class PipelineRuntime:
 
         cm = self.cm
         with torch.no_grad(), materialized(self.released):
-            gm, names, batch = capture(cm.model, kwargs, outputs)
+            gm, names, batch = self._capture(kwargs, outputs)
         graphs = split_graph(gm, self.split, names, batch, cm.model, keep=set(self.local))
         fake = {n.name: n.meta.get("val") for n in gm.graph.nodes}
         stages = {}
