@@ -312,9 +312,11 @@ def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistribute
     spec = program.mesh
     dpcp = spec.dp * spec.cp
     # A CP group's ranks each hold their tokens' part of one replica's loss gradient: sum over cp,
-    # average over dp (cp = 1: the plain average over the dp replicas).
+    # average over dp (cp = 1: the plain average over the dp replicas). As a mean over dp·cp of gradients
+    # pre-scaled by cp, so that a gradient already reduced (accumulated over steps without zeroing) stays
+    # as it is: summed over cp it was multiplied by cp at every later step (1×, 3×, 7× at cp = 2).
     fams = [
-        ParamFamily("dense", dense, groups.dense if dpcp > 1 else None, 1.0 / spec.dp),
+        ParamFamily("dense", dense, groups.dense if dpcp > 1 else None, 1.0 / dpcp, pre_scale=float(spec.cp)),
         ParamFamily("expert", expert, groups.ep_dp if spec.ep_dp > 1 else None, 1.0 / spec.ep_dp,
                     pre_scale=spec.cp / spec.ep_mp),
     ]

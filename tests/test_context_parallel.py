@@ -101,6 +101,33 @@ def test_cp2_ep2_four_ranks():
                     32), 32, 2)
 
 
+def accumulation_worker(rank: int, world: int) -> list[float]:
+    """cp=2: three forward/backward passes of one batch without zeroing, then a train_step over them."""
+    model = _model("olmoe")
+    b = make_batches(1, 2, 16, seed=3)[0]
+    ref = copy.deepcopy(model)
+    ref(input_ids=b, labels=b).loss.backward()
+    want = grads_of(ref)
+    cm = moe_compile(model, MeshSpec.parse("cp=2").resolve(world))
+    errs = []
+    for k in (1, 2, 3):
+        cm(input_ids=b, labels=b).loss.backward()
+        got = cm.full_grads()
+        errs.append(max(rel_err(got[n], k * want[n]) for n in want))
+    cm.train_step(input_ids=b, labels=b)  # its gradients add to the three passes' too
+    got = cm.full_grads()
+    errs.append(max(rel_err(got[n], 4 * want[n]) for n in want))
+    cm.close()
+    return errs
+
+
+def test_cp2_gradients_accumulate_over_backwards_without_zeroing():
+    """The dense gradients were summed over the CP group at every reduction, with what earlier ones had
+    already reduced: 1×, 3×, 7× the reference after three backwards (dp and ep_dp took means: 1×, 2×, 3×)."""
+    for errs in run_ranks(accumulation_worker, 2):
+        assert max(errs) <= TOL, errs
+
+
 def test_cp2_skewed_routing():
     """Every token of every shard routes to the first EP rank's experts (the other rank's idle)."""
     results = run_ranks(cp_worker, 4, ("tiny", "olmoe"), "cp=2,ep_mp=2", 16, True)

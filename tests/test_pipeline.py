@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -569,9 +570,12 @@ def test_schedule_lease_instances_by_hand():
                                                      ("F", 3, 1), ("B", 2, 0), ("B", 3, 1)]
 
 
-def masked_labels(b: torch.Tensor) -> torch.Tensor:
+def masked_labels(b: torch.Tensor, everything: bool = False) -> torch.Tensor:
     """Loss tokens spread unevenly over the CP shards (cp=2, 16 tokens: shard 0 holds positions 0–3 and
-    12–15, shard 1 positions 4–11) and the 2 microbatches: in the second, shard 1 has none."""
+    12–15, shard 1 positions 4–11) and the 2 microbatches: in the second, shard 1 has none. ``everything``:
+    no loss token at all."""
+    if everything:
+        return torch.full_like(b, -100)
     labels = b.clone()
     labels[0, 6:10] = -100
     labels[1, 1:4] = -100
@@ -584,7 +588,8 @@ def weighted_reference(model, b: torch.Tensor, labels: torch.Tensor, m: int):
     share of the batch's loss tokens, as train_step defines it; and its gradients."""
     ref = copy.deepcopy(model)
     n = [(y[:, 1:] != -100).sum().item() for y in labels.chunk(m)]
-    loss = sum(ref(input_ids=x, labels=y).loss * (k / sum(n)) for x, y, k in zip(b.chunk(m), labels.chunk(m), n))
+    w = [k / sum(n) for k in n] if sum(n) else [1 / m] * m  # no loss tokens: the load-balancing terms' mean
+    loss = sum(ref(input_ids=x, labels=y).loss * wj for x, y, wj in zip(b.chunk(m), labels.chunk(m), w))
     loss.backward()
     return loss.item(), grads_of(ref)
 
@@ -598,7 +603,7 @@ def pp_cp_worker(rank: int, world: int, mesh: str, names: tuple[str, ...], maske
         model = _model(name, 2, **({"lb_coef": 0.0, "z_coef": 0.0} if name == "tiny" else {}))
         batches = make_batches(spec.dp, 4, 16, seed=4)
         b = batches[spec.dense_coords(rank)[1]]
-        labels = masked_labels(b) if masked else b
+        labels = masked_labels(b, masked == "all") if masked else b
         if masked:
             ref_loss, ref_grads = weighted_reference(model, b, labels, 2)
         else:
@@ -626,6 +631,9 @@ def pp_cp_worker(rank: int, world: int, mesh: str, names: tuple[str, ...], maske
 def check_pp_cp(results) -> None:
     for rank, per in enumerate(results):
         for r in per:
+            if math.isnan(r["ref"]):  # no loss token: the token loss is NaN in both, the gradients are the aux's
+                assert math.isnan(r["loss"]) and r["err"] <= TOL, (rank, r)
+                continue
             assert abs(r["loss"] - r["ref"]) <= TOL * abs(r["ref"]), (rank, r)
             assert r["err"] <= TOL, (rank, r)
             assert r["eval_logits_err"] <= TOL, (rank, r)
@@ -647,6 +655,50 @@ def test_load_balancing_losses_under_pipeline_and_context_parallelism():
     Step loss and gradients match the dense model's token-share-weighted microbatch losses, and evaluation
     its loss on the whole batch."""
     check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("olmoe_aux", "tiny_aux"), True))
+
+
+def test_load_balancing_loss_of_a_batch_without_loss_tokens_under_pipeline_and_context_parallelism():
+    """Every label masked: the token loss is NaN (as the dense model's) and the gradients are the load-
+    balancing terms' mean over the microbatches. Each CP rank weighted its microbatches 1/m and added the
+    whole aux: the gradients were cp times the dense model's."""
+    results = run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("olmoe_aux",), "all")
+    for rank, per in enumerate(results):
+        for r in per:
+            assert math.isnan(r["loss"]) and math.isnan(r["ref"]) and r["err"] <= TOL, (rank, r)
+
+
+def call_options_worker(rank: int, world: int) -> dict:
+    """pp=2: output_router_logits per call, the config's flag off."""
+    model = build_model("olmoe", router_aux_loss_coef=0.05)
+    dense = copy.deepcopy(model)
+    b = make_batches(1, 4, 16, seed=4)[0]
+    cm = moe_compile(model, MeshSpec.parse("pp=2").resolve(world), microbatches=2)
+    out = {"eval": []}
+    with torch.no_grad():
+        for flag in (False, True, False):
+            got = cm(input_ids=b, labels=b, output_router_logits=flag).loss.item()
+            want = dense(input_ids=b, labels=b, output_router_logits=flag).loss.item()
+            out["eval"].append((got, want))
+    cm.train_step(input_ids=b, labels=b)
+    try:
+        cm.train_step(input_ids=b, labels=b, output_router_logits=True)
+        out["error"] = None
+    except OptionError as e:
+        out["error"] = str(e)
+    cm.close()
+    return out
+
+
+def test_pipeline_call_options_are_not_silently_those_of_the_first_call():
+    """A pipeline's capture bakes in the call's non-tensor arguments: an evaluation with another
+    output_router_logits than the first reused the first's graphs (loss 5.54 for 7.56 with the load-
+    balancing term), and so did a train_step. Evaluation now captures per call option; a train_step with
+    other options than the schedule was built for is refused, naming them."""
+    for r in run_ranks(call_options_worker, 2):
+        for got, want in r["eval"]:
+            assert abs(got - want) <= TOL * abs(want), r
+        assert r["eval"][1][1] > r["eval"][0][1] + 0.01, r  # the flag changes the dense loss
+        assert r["error"] is not None and "output_router_logits" in r["error"], r
 
 
 def test_a_layer_that_is_the_moe_block_and_per_layer_inputs_from_later_modules():

@@ -360,14 +360,15 @@ class PipelineRuntime:
             # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
             local = (kwargs["shift_labels"] != -100).reshape(m, -1).sum(1).double()
             total = (labels[..., 1:] != -100).sum().double()
-            w = (local / total).float() if total > 0 else torch.full((m,), 1.0 / m)
+            # no loss tokens at all: 1/m per microbatch over the group, as at cp = 1 (each rank adds the whole aux)
+            w = (local / total).float() if total > 0 else torch.full((m,), 1.0 / (m * spec.cp))
         else:
             w = microbatch_weights(kwargs["labels"], m)
-        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        shape = tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in tensors.items()))
+        shape = _signature(kwargs)
         if self._torch_schedule is not None and shape != self._shape:
-            raise OptionError(f"train_step: batch shapes {shape} differ from the first step's {self._shape}; a "
-                              "pipeline is compiled for one microbatch shape")
+            raise OptionError(f"train_step: batch shapes and call options {shape} differ from the first step's "
+                              f"{self._shape}; a pipeline is compiled for one microbatch shape and the options "
+                              "its capture read (output_router_logits=...); compile another CompiledMoE for others")
         return kwargs, w, shape, b
 
     # -- planning (explain) -------------------------------------------------------------------------
@@ -461,8 +462,7 @@ class PipelineRuntime:
                 total = (labels[..., 1:] != -100).sum().double()
                 share = ((kwargs["shift_labels"] != -100).sum().double() / total).float() if total > 0 else None
         outputs = ("logits", "loss") if kwargs.get("labels") is not None else ("logits",)
-        key = (outputs, tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in kwargs.items()
-                                     if isinstance(v, torch.Tensor))))
+        key = (outputs, _signature(kwargs))  # a capture per shape and per call option it read
         if key not in self._eval:
             self._eval[key] = self._build_eval(kwargs, outputs)
         stages, fake = self._eval[key]
@@ -532,6 +532,13 @@ class PipelineRuntime:
 class PipelineOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
+
+
+def _signature(kwargs: dict[str, Any]) -> tuple:
+    """What one capture of the whole model was made for: the batch tensors' shapes and dtypes, and the
+    other call arguments (output_router_logits=...), which the capture bakes in as constants."""
+    return tuple(sorted(((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)))
+                        for k, v in kwargs.items()))
 
 
 def _refuse_position_ids(kwargs: dict[str, Any]) -> None:
