@@ -134,6 +134,22 @@ def test_explain_pipeline_with_context_parallelism(tmp_path):
     assert data["V_dispatch"] == 2 * 1 * data["R"] * 64 * 4
 
 
+def test_explain_a_router_that_returns_logits_alone(tmp_path):
+    """DBRX's router returns logits and its block's forward takes top-k: on meta tensors (explain, no probe
+    batch) the block was installed as router-then-experts and its forward got a tuple where it wanted
+    logits (a dynamo error). The router's output type is read on a meta batch now."""
+    from moe_compile.models.hf import tiny_family_config, tiny_family_model
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(tiny_family_config("dbrx").to_json_string())
+    out = tmp_path / "dbrx"
+    assert main(["explain", "--hf-config", str(cfg), "--mesh", "ep_mp=2,dp=2", "--seq-len", "32", "--batch-size", "1",
+                 "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
+    data = json.loads((out / "ledger.json").read_text())
+    assert data["P_total"] == sum(p.numel() for p in tiny_family_model("dbrx").parameters())
+    assert data["R"] == 32 * data["symbols"]["K"] and data["C"] >= data["R"]
+
+
 @pytest.mark.slow
 def test_explain_hf_config_file(tmp_path):
     cfg = tmp_path / "config.json"

@@ -306,7 +306,10 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
 
     variants = c.expert_variants()
     w_in, _ = c.full_weights()
-    if w_in.is_meta:
+    if w_in.is_meta:  # explain: from attributes, and the router's output type on a meta batch (DBRX: logits alone)
+        x = torch.empty(1, PROBE_TOKENS, c.experts.d_model, device="meta", dtype=w_in.dtype)
+        if mode == "components" and _router_returns_logits_only(c, x):
+            mode, calls_router = "block", True
         return spec_for(variants[0], options()[0], c.lb_coef > 0 or c.z_coef > 0, checked=False)
     if w_in.dtype not in EXPERT_DTYPES:  # the canonical form's grouped GEMMs would fail on the probe batch
         raise UnsupportedFeatureError(
