@@ -114,6 +114,10 @@ def config_from_json(path: str | Path):
         raise OptionError(f"--hf-config {path}: a transformers config.json is a JSON object, not {type(data).__name__}")
     if "model_type" not in data:
         raise OptionError(f"{path}: a transformers config.json needs a 'model_type' (e.g. 'olmoe', 'mixtral')")
+    # transformers writes inf / nan as {"__float__": "Infinity"} (time_step_limit of the Mamba hybrids) and
+    # decodes them when it reads its own files; for_model takes the values as they are
+    decode = getattr(tf.PretrainedConfig, "_decode_special_floats", None)
+    data = decode(data) if decode is not None else data
     kind = data.pop("model_type")
     if kind not in tf.CONFIG_MAPPING:
         raise OptionError(f"--hf-config {path}: model_type {kind!r} is not a model type this transformers "
@@ -268,7 +272,11 @@ def _fused_attention():
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if not query.is_meta or dropout_p:
+        # the fused CPU kernel takes no mask that needs a gradient (a learned position bias, Inkling's), and
+        # its meta kernel gives the output q's head size, not v's (MLA-style heads whose v is narrower)
+        fused = query.is_meta and not dropout_p and value.shape[-1] == query.shape[-1] and not (
+            isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad)
+        if not fused:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

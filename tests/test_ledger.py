@@ -30,7 +30,8 @@ from .harness import run_ranks
 def test_formulas_are_inspectable_sympy():
     expr = ledger.formula("P_active")
     assert isinstance(expr, sp.Expr)
-    assert {str(s) for s in expr.free_symbols} == {"K", "L", "d", "h_e", "G", "N", "m_s", "G_s", "sigma_s", "P_bb"}
+    assert {str(s) for s in expr.free_symbols} == {"K", "L", "d", "h_e", "G", "N", "m_s", "G_s", "sigma_s", "P_bb",
+                                                   "beta_E"}
     assert str(ledger.definition("P_total")) == "P_E + P_dense"
     with pytest.raises(LedgerError, match="no ledger figure 'P_nope'"):
         ledger.formula("P_nope")

@@ -306,10 +306,21 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
 
     variants = c.expert_variants()
     w_in, _ = c.full_weights()
-    if w_in.is_meta:  # explain: from attributes, and the router's output type on a meta batch (DBRX: logits alone)
+    if w_in.is_meta:  # explain: from attributes, and what the block's forward returns on a meta batch
         x = torch.empty(1, PROBE_TOKENS, c.experts.d_model, device="meta", dtype=w_in.dtype)
         if mode == "components" and _router_returns_logits_only(c, x):
-            mode, calls_router = "block", True
+            mode, calls_router = "block", True  # (DBRX: logits alone)
+        try:  # its router's tuple order, and its router logits beside its output (Llama 4)
+            _, _, outputs, second = _reference(c, x, mode)
+            returns_logits = second is not None
+        except Exception:  # noqa: BLE001 - a forward meta tensors cannot run (data-dependent): the defaults
+            pass
+        fn = custom_backward(getattr(c.block, c.router_attr), c.experts.d_model)
+        if fn is not None:  # what the probe on real weights refuses (PhiMoE): no batch here to try it on
+            raise UnsupportedFeatureError(
+                f"{c.path}.{c.router_attr}: the router computes its weights through a custom autograd Function "
+                f"({fn}) with a backward of its own (e.g. PhiMoE's sparsemixer gradient estimator, sampled in "
+                "training); no supported routing reproduces it")
         return spec_for(variants[0], options()[0], c.lb_coef > 0 or c.z_coef > 0, checked=False)
     if w_in.dtype not in EXPERT_DTYPES:  # the canonical form's grouped GEMMs would fail on the probe batch
         raise UnsupportedFeatureError(

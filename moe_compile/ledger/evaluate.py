@@ -175,7 +175,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
         main_weights = sharded_optimizer or b_w < 4  # OLMoDDPOptimizer keeps FP32 main weights for every dtype
     h_d = DROPLESS_HEADROOM if dropless_headroom is None else Fraction(dropless_headroom).limit_denominator(1000)
     v: dict[str, int | float | None] = dict(
-        d=shape.d, h_e=shape.h_e, N=shape.N, K=shape.K, L=shape.layers, G=int(shape.gated),
+        d=shape.d, h_e=shape.h_e, N=shape.N, K=shape.K, L=shape.layers, G=int(shape.gated), beta_E=int(shape.bias),
         m_s=shape.m_s, G_s=1, sigma_s=0, P_bb=counts.backbone, P_lookup=counts.lookup, P_vec=counts.vector,
         pp=mesh.pp, dp=mesh.dp, cp=mesh.cp, ep_dp=mesh.ep_dp, ep_mp=mesh.ep_mp,
         c_f=(dropless_factor or min(mesh.ep_mp, h_d)) if capacity_factor is None else capacity_factor,
@@ -331,10 +331,11 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         load_imbalance = state.high_water / max(r for r, _ in state.blocks.values())
     shape = moe_shape(prog.blocks.values())
     counts = count_params(cm.model, prog.blocks.values(), cm.is_expert_param, prog.ep_size)
-    expected = shape.layers * shape.N * (2 + int(shape.gated)) * shape.d * shape.h_e
+    g = int(shape.gated)
+    expected = shape.layers * shape.N * ((2 + g) * shape.d * shape.h_e + int(shape.bias) * ((1 + g) * shape.h_e + shape.d))
     if counts.expert_total != expected:
         raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
-                          f"L·N·(2+G)·d·h_e = {expected}")
+                          f"L·N·((2+G)·d·h_e + beta_E·((1+G)·h_e + d)) = {expected}")
     graphs = dict(prog.training_graphs)  # the last training capture's (an evaluation compiles no backward)
     gm = None
     if cm.pipeline is not None:  # the whole program captured no graph of its own: its stages did

@@ -34,6 +34,7 @@ from .symbols import (
     b_opt,
     b_r,
     b_w,
+    beta_E,
     c_f,
     cp,
     d,
@@ -105,7 +106,8 @@ _def("M_recv_bound", C_bound * _recv_row, "bytes", "working",
 L_loc = _def("L_loc", N / ep_mp, "experts", "routing", "num_local_experts: routed experts stored per EP-MP rank")
 
 # -- parameters -------------------------------------------------------------------------------
-P_E_layer = _def("P_E_layer", N * (2 + G) * d * h_e, "params", "parameters", "routed-expert parameters of one MoE layer")
+P_E_layer = _def("P_E_layer", N * ((2 + G) * d * h_e + beta_E * ((1 + G) * h_e + d)), "params", "parameters",
+                 "routed-expert parameters of one MoE layer (weights, and biases if beta_E)")
 P_E = _def("P_E", L * P_E_layer, "params", "parameters", "routed-expert parameters of the model")
 P_router = _def("P_router", L * N * d, "params", "parameters", "router projections [N, d] of all MoE layers")
 P_shared = _def("P_shared", L * ((2 + G_s) * d * m_s + sigma_s * d), "params", "parameters",
@@ -113,7 +115,7 @@ P_shared = _def("P_shared", L * ((2 + G_s) * d * m_s + sigma_s * d), "params", "
 P_dense = _def("P_dense", P_bb + P_router + P_shared, "params", "parameters",
                "dense (non-expert) parameters: backbone, routers, shared experts")
 P_total = _def("P_total", P_dense + P_E, "params", "parameters", "total parameters: the persistent parameter pool")
-P_active = _def("P_active", P_dense + L * K * (2 + G) * d * h_e, "params", "parameters",
+P_active = _def("P_active", P_dense + L * K * ((2 + G) * d * h_e + beta_E * ((1 + G) * h_e + d)), "params", "parameters",
                 "parameters one token uses: every dense parameter (embeddings and head included) and K of N "
                 "experts per MoE layer")
 _def("alpha_E", K / N, "ratio", "parameters", "expert activation ratio K/N")

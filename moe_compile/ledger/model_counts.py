@@ -34,13 +34,15 @@ class MoEShape:
     layers: int  # L
     m_s: int  # shared-expert width (0: none)
     fp32_route_weights: bool
+    bias: bool = False  # expert biases b_in [N, F], b_out [N, d]
 
 
 @dataclass(frozen=True)
 class ParamCounts:
     expert_local: int  # this rank's routed-expert parameters
     expert_total: int  # all ranks' (expert_local · ep_mp)
-    router: int
+    router: int  # every parameter under the routers
+    router_projections: int  # their [N, d] projections, the formula's P_router = L·N·d
     shared: int  # shared experts without their gates
     shared_gate: int
     lookup: int  # embedding tables used only by lookup
@@ -51,7 +53,9 @@ class ParamCounts:
 
     @property
     def backbone(self) -> int:
-        return self.dense - self.router - self.shared - self.shared_gate
+        """Dense parameters besides the router projections and shared experts: a router's other parameters
+        (biases, scales, a router network's layers, rows scoring zero-computation experts) count here."""
+        return self.dense - self.router_projections - self.shared - self.shared_gate
 
 
 def moe_shape(blocks: Iterable[MoEBlockSpec]) -> MoEShape:
@@ -61,17 +65,17 @@ def moe_shape(blocks: Iterable[MoEBlockSpec]) -> MoEShape:
 
     def key(s: MoEBlockSpec) -> tuple:
         e, r = s.experts, s.router
-        return (e.d_model, e.hidden, e.num_experts, r.top_k, e.gated, s.shared_hidden, r.fp32_weights)
+        return (e.d_model, e.hidden, e.num_experts, r.top_k, e.gated, s.shared_hidden, r.fp32_weights, e.bias)
 
     first = key(blocks[0])
     for s in blocks[1:]:
         if key(s) != first:
             raise LedgerError(
-                f"MoE blocks differ in shape (d, h_e, N, K, gated, m_s, fp32 route weights): {blocks[0].path} has "
+                f"MoE blocks differ in shape (d, h_e, N, K, gated, m_s, fp32 route weights, expert biases): {blocks[0].path} has "
                 f"{first}, {s.path} has {key(s)}; the ledger's formulas describe one MoE layer shape"
             )
-    d, h, n, k, gated, m_s, fp32 = first
-    return MoEShape(d, h, n, k, gated, len(blocks), m_s, fp32)
+    d, h, n, k, gated, m_s, fp32, bias = first
+    return MoEShape(d, h, n, k, gated, len(blocks), m_s, fp32, bias)
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -107,7 +111,8 @@ def count_params(model: nn.Module, blocks: Iterable[MoEBlockSpec], is_expert: Ca
             c["lookup"] += n
         elif p.dim() == 1:
             c["vector"] += n
-    return ParamCounts(expert_total=c["expert_local"] * ep_mp, **c)
+    projections = sum(b.experts.num_experts * b.experts.d_model for b in blocks)
+    return ParamCounts(expert_total=c["expert_local"] * ep_mp, router_projections=projections, **c)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

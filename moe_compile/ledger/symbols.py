@@ -35,10 +35,12 @@ N = _sym("N", "routed experts per MoE layer")
 K = _sym("K", "routed experts selected per token (top_k)")
 L = _sym("L", "MoE layers")
 G = _sym("G", "1 for gated (SwiGLU-style) routed experts, 0 for two-layer FFN experts")
+beta_E = _sym("beta_E", "1 if the routed experts have biases (b_in [N, (1+G)·h_e], b_out [N, d]: GPT-OSS), else 0")
 G_s = _sym("G_s", "1 for a gated shared expert, 0 for a two-layer one")
 sigma_s = _sym("sigma_s", "1 if the shared expert has a sigmoid gate Linear(d, 1), else 0")
-P_bb = _sym("P_bb", "backbone parameters: embeddings, attention, norms, output head, dense MLPs "
-            "(counted from the model's own parameters)", "params")
+P_bb = _sym("P_bb", "backbone parameters: embeddings, attention, norms, output head, dense MLPs, and router "
+            "parameters besides the [N, d] projections (biases, scales, a router network's layers; counted from "
+            "the model's own parameters)", "params")
 P_lookup = _sym("P_lookup", "embedding-table parameters used only by lookup (no matmul)", "params")
 P_vec = _sym("P_vec", "1-D parameters (norm scales, biases): elementwise, no matmul", "params")
 L_attn = _sym("L_attn", "attention layers")
