@@ -50,7 +50,8 @@ def test_capacity_formula_matches_the_pass(t, k, ep, cf):
 def active_by_one_token(model: torch.nn.Module) -> int:
     """Parameters one token touches: every parameter in its autograd graph (a gradient, possibly zero:
     attention over one key has a constant softmax); of a 3-D expert tensor only the slices of the
-    experts it reaches (nonzero gradient); expert modules never called have no gradient at all.
+    experts it reaches (nonzero gradient), likewise of a 2-D expert bias [N, ·]; expert modules never
+    called have no gradient at all.
     Embedding tables count whole (the convention of published active sizes)."""
     model = copy.deepcopy(model)
     ids = torch.tensor([[7]])
@@ -59,25 +60,32 @@ def active_by_one_token(model: torch.nn.Module) -> int:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        if re.search(r"(^|\.)experts\.", name) and p.dim() == 3:
+        if re.search(r"(^|\.)experts\.", name) and (p.dim() == 3 or name.endswith("_bias")):
             total += sum(p[e].numel() for e in range(p.shape[0]) if p.grad[e].abs().sum())
         else:
             total += p.numel()
     return total
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_stacked_sigmoid_shared", "olmoe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_stacked_sigmoid_shared", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_parameter_counts_exact(name):
-    model = build_model(name)
+    """gpt_oss: expert biases (a LedgerError before), a router bias (left out of P_total before)."""
+    if name == "gpt_oss":
+        from moe_compile.models.hf import tiny_family_model
+
+        model = tiny_family_model(name)
+    else:
+        model = build_model(name)
     total = sum(p.numel() for p in model.parameters())
     active = active_by_one_token(model)
     routers = sum(p.numel() for n, p in model.named_parameters() if re.search(r"\.(gate|router)\.weight$", n))
+    expert = sum(p.numel() for n, p in model.named_parameters() if re.search(r"(^|\.)experts\.", n))
     cm = moe_compile(model, MeshSpec())
     led = cm.ledger()
     assert led["P_total"] == total
     assert led["P_active"] == active
     assert led["P_router"] == routers
-    assert led["P_E"] == sum(p.numel() for n, p in model.named_parameters() if re.search(r"(^|\.)experts\.", n))
+    assert led["P_E"] == expert
     assert led["alpha_E"] == pytest.approx(led.values["K"] / led.values["N"])
     assert led["Gamma_capacity"] == pytest.approx(total / active)
     assert led["alpha_P"] == pytest.approx(active / total)
