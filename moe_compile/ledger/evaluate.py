@@ -221,6 +221,11 @@ def _exact(name: str, v):
 
 def evaluate(values: dict[str, int | float | None], graph_mem: GraphMemory | None = None, lease_plan=None,
              notes: list[str] | None = None) -> Ledger:
+    values = dict(values)  # symbols with a neutral default: no expert biases; every rank routes T·K rows
+    if values.get("beta_E") is None:
+        values["beta_E"] = 0
+    if values.get("g_r") is None and values.get("ep_mp") is not None:
+        values["g_r"] = values["ep_mp"]
     subs = {SYMBOLS[k].symbol: _exact(k, v) for k, v in values.items() if v is not None and k in SYMBOLS}
     figures: dict[str, Figure] = {}
     for name, f in FORMULAS.items():
