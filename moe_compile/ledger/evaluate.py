@@ -336,11 +336,11 @@ def ledger_for(cm, *, micro_batches: int | None = None, optimizer_state_bytes: i
         load_imbalance = state.high_water / max(r for r, _ in state.blocks.values())
     shape = moe_shape(prog.blocks.values())
     counts = count_params(cm.model, prog.blocks.values(), cm.is_expert_param, prog.ep_size)
-    g = int(shape.gated)
-    expected = shape.layers * shape.N * ((2 + g) * shape.d * shape.h_e + int(shape.bias) * ((1 + g) * shape.h_e + shape.d))
+    shape_values = dict(L=shape.layers, N=shape.N, G=int(shape.gated), d=shape.d, h_e=shape.h_e, beta_E=int(shape.bias))
+    expected = int(formula("P_E").subs({SYMBOLS[k].symbol: v for k, v in shape_values.items()}))
     if counts.expert_total != expected:
         raise LedgerError(f"ledger: the model holds {counts.expert_total} routed-expert parameters (all ranks), but "
-                          f"L·N·((2+G)·d·h_e + beta_E·((1+G)·h_e + d)) = {expected}")
+                          f"P_E = {formula('P_E')} = {expected}")
     graphs = dict(prog.training_graphs)  # the last training capture's (an evaluation compiles no backward)
     gm = None
     if cm.pipeline is not None:  # the whole program captured no graph of its own: its stages did

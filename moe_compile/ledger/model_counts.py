@@ -41,8 +41,7 @@ class MoEShape:
 class ParamCounts:
     expert_local: int  # this rank's routed-expert parameters
     expert_total: int  # all ranks' (expert_local · ep_mp)
-    router: int  # every parameter under the routers
-    router_projections: int  # their [N, d] projections, the formula's P_router = L·N·d
+    router_projections: int  # the routers' [N, d] projections, the formula's P_router = L·N·d
     shared: int  # shared experts without their gates
     shared_gate: int
     lookup: int  # embedding tables used only by lookup
@@ -92,7 +91,7 @@ def count_params(model: nn.Module, blocks: Iterable[MoEBlockSpec], is_expert: Ca
     linear_weights = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.Linear)}
     lookup_ids = {id(mod.weight) for mod in model.modules()
                   if isinstance(mod, nn.Embedding) and id(mod.weight) not in linear_weights}
-    c = dict(expert_local=0, router=0, shared=0, shared_gate=0, lookup=0, vector=0, dense=0, local_bytes=0, local=0)
+    c = dict(expert_local=0, shared=0, shared_gate=0, lookup=0, vector=0, dense=0, local_bytes=0, local=0)
     for name, p in model.named_parameters():
         n = p.numel()
         c["local"] += n
@@ -102,7 +101,7 @@ def count_params(model: nn.Module, blocks: Iterable[MoEBlockSpec], is_expert: Ca
             continue
         c["dense"] += n
         if any(_under(name, r) for r in routers):
-            c["router"] += n
+            pass  # a router's: its [N, d] projection is P_router, its other parameters backbone
         elif any(_under(name, s) for s in shared):
             c["shared"] += n
         elif any(_under(name, g) for g in gates):
