@@ -114,7 +114,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     program = Program(
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
-        cp_rank=groups.cp_rank if groups else 0, cp_seq_limit=cp_seq_limit(model) if spec.cp > 1 else None,
+        cp_rank=groups.cp_rank if groups else 0, cp_length_positions=cp_length_positions(model) if spec.cp > 1 else {},
         codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}
@@ -186,16 +186,14 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
             "that would see one rank's shard only under context parallelism; use cp=1")
 
 
-def cp_seq_limit(model: nn.Module) -> int | None:
-    """The sequence length from which context parallelism would be wrong for this model (None: none).
-    Llama 4's attention temperature tuning scales each query of its NoPE layers by log(⌊(pos + 1) /
-    floor_scale⌋ + 1), with pos from arange over the rank's shard rather than the sequence: every position
-    below floor_scale scales by 1 either way, so shorter sequences are exact."""
-    cfg = getattr(model, "config", None)
-    nope = [i for i, r in enumerate(getattr(cfg, "no_rope_layers", None) or []) if not r]
-    if getattr(cfg, "attn_temperature_tuning", False) and nope:
-        return int(getattr(cfg, "floor_scale", 8192)) - 1  # position floor_scale − 1 is the first scaled
-    return None
+def cp_length_positions(model: nn.Module) -> dict[str, int]:
+    """Modules that make positions from the length of what they see (passes/cp_positions.py), each with
+    the first position where a shard's own positions would change its result. Llama 4's attention
+    temperature tuning scales each query of its NoPE layers by log(⌊(pos + 1) / floor_scale⌋ + 1)·attn_scale
+    + 1, with pos = arange over the hidden states' length: every position below floor_scale − 1 scales
+    by 1 either way."""
+    return {name: int(getattr(m, "floor_scale", 8192)) - 1 for name, m in model.named_modules()
+            if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)}
 
 
 def _check_not_compiled(model: nn.Module) -> None:

@@ -84,7 +84,7 @@ class CompiledMoE(nn.Module):
 
             cp = self.program.mesh.cp
             check_balance_loss(self.model, kwargs)
-            shard = shard_batch(kwargs, cp, self.groups.cp_rank, limit=self.program.cp_seq_limit)
+            shard = shard_batch(kwargs, cp, self.groups.cp_rank)
             as_tuple = shard.get("return_dict") is False  # run as a ModelOutput: its fields are found by name
             if as_tuple:
                 shard["return_dict"] = True
@@ -160,8 +160,7 @@ class CompiledMoE(nn.Module):
                 from .runtime.cp_balance_loss import check_balance_loss
 
                 check_balance_loss(self.model, batch)
-                shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False,
-                            limit=self.program.cp_seq_limit)
+                shard_batch(batch, self.program.mesh.cp, self.groups.cp_rank, count=False)
         except OptionError as e:
             err = e
         agree_on_batch(self.model, batch, err, same_batch=(self.groups.cp,) if self.groups is not None else ())

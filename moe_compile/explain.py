@@ -226,7 +226,7 @@ def explain(*, mesh: str | MeshSpec, out_dir: str | Path, hf: str | None = None,
                 if spec.cp > 1:  # this rank's sequence shard, as a pipelined train_step cuts it
                     from .runtime.context_parallel import shard_batch
 
-                    mb = shard_batch(mb, spec.cp, cm.groups.cp_rank, count=False, limit=cm.program.cp_seq_limit)
+                    mb = shard_batch(mb, spec.cp, cm.groups.cp_rank, count=False)
                 programs = cm.pipeline.plan_stages(mb)
                 cm.pipeline._programs = [programs[s] for s in cm.pipeline.local]
                 pipeline = stage_rows(cm, programs)

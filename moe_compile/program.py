@@ -35,7 +35,9 @@ class Program:
     codegen: str = "torch"  # resolved: torch | triton
     kernel_plans: dict[str, list] = field(default_factory=dict)  # graph kind → [(block, op, [LaunchPlan])]
     cp_rank: int = 0  # this rank's index in its context-parallel group
-    cp_seq_limit: int | None = None  # cp > 1: longer sequences are refused (api.cp_seq_limit)
+    # cp > 1: module path → first position where positions made from the shard's length would be wrong
+    # (passes/cp_positions.py rewrites them to the shard's global ones)
+    cp_length_positions: dict[str, int] = field(default_factory=dict)
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
     schedule: object = None  # moe_compile.schedules.ScheduleOrder of a pipeline, which plans are proven against

@@ -33,6 +33,11 @@ def build_model(name: str, seed: int = 0, **kw) -> nn.Module:
             if getattr(mod, "expert_bias", None) is not None:
                 mod.expert_bias.copy_(torch.randn(mod.expert_bias.shape, generator=g) * 0.05)
         return m
+    if name == "llama4_tuned":  # Llama 4, NoPE layers with attention temperature tuning from position 3 on
+        from moe_compile.models.hf import tiny_family_model
+
+        return tiny_family_model("llama4_text", seed=seed, attention_chunk_size=None, no_rope_layers=[0, 0],
+                                 layer_types=["full_attention", "full_attention"], floor_scale=4, **kw)
     if name.endswith("_eager"):  # transformers' per-expert loop instead of its default grouped_mm path
         model = build_model(name[: -len("_eager")], seed, **kw)
         model.config._experts_implementation = "eager"

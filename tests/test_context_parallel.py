@@ -96,9 +96,13 @@ def test_cp2_ep2_four_ranks():
     """cp=2 × ep_mp=2: the tiny LM, OLMoE, Mixtral and Qwen3-MoE on 32-token sequences; OLMoE with its
     load-balancing loss (output_router_logits, coefficient 0.05) and the tiny LM with the load-balancing
     and z losses its blocks compute, both refused before: a shard's router statistics gave other values
-    (runtime/cp_balance_loss.py and canonical._block_aux_loss gather the router logits)."""
-    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe", "olmoe_aux", "tiny_aux"), "cp=2,ep_mp=2",
-                    32), 32, 2)
+    (runtime/cp_balance_loss.py and canonical._block_aux_loss gather the router logits). Llama 4 with
+    attention temperature tuning from position 3 on (floor_scale=4): its NoPE layers take query positions
+    from the length of what they see, the shard's 16 (passes/cp_positions.py gives them the global ones;
+    without it the gradients were off by 6% (q_proj), the loss by 4e-7, and sequences of 16 tokens or more
+    were refused)."""
+    check(run_ranks(cp_worker, 4, ("tiny", "olmoe", "mixtral", "qwen3_moe", "olmoe_aux", "tiny_aux", "llama4_tuned"),
+                    "cp=2,ep_mp=2", 32), 32, 2)
 
 
 def accumulation_worker(rank: int, world: int) -> list[float]:
@@ -166,8 +170,6 @@ class _ShiftsItself(nn.Module):
 
 
 def unsharded_cp_worker(rank: int, world: int) -> list[str]:
-    from moe_compile.models.hf import tiny_family_model
-
     spec, msgs = MeshSpec.parse("cp=2").resolve(world), []
     b = make_batches(1, 2, 8)[0]
     model = _model("olmoe")
@@ -177,18 +179,6 @@ def unsharded_cp_worker(rank: int, world: int) -> list[str]:
     got = cm(input_ids=b, labels=b, output_router_logits=True).loss.item()
     msgs.append(abs(got - dense(input_ids=b, labels=b, output_router_logits=True).loss.item()))
     cm.close()
-    llama4 = tiny_family_model("llama4_text", seed=0, attention_chunk_size=None, no_rope_layers=[0, 0],
-                               layer_types=["full_attention", "full_attention"], floor_scale=16)
-    dense = copy.deepcopy(llama4)
-    cm = moe_compile(llama4, spec)
-    long = make_batches(1, 2, 16, seed=3)[0] % dense.config.vocab_size
-    try:  # positions from 15 on are scaled: refused; shorter sequences are exact
-        cm(input_ids=long, labels=long)
-    except OptionError as e:
-        msgs.append(str(e))
-    short = long[:, :8]
-    msgs.append(abs(cm(input_ids=short, labels=short).loss.item() - dense(input_ids=short, labels=short).loss.item()))
-    cm.close()
     for reads in (False, True):
         cm = moe_compile(_ShiftsItself(reads), spec)
         try:
@@ -196,21 +186,35 @@ def unsharded_cp_worker(rank: int, world: int) -> list[str]:
         except UnsupportedFeatureError as e:
             msgs.append(str(e))
         cm.close()
+    # an attention listed as making positions from its length (Llama 4's flags), with no arange to replace:
+    # exact below the position where that matters, refused from there on (not silently off)
+    model = _model("tiny")
+    model.layers[0].attn.attn_temperature_tuning, model.layers[0].attn.use_rope = True, 0
+    model.layers[0].attn.floor_scale = 16
+    dense = copy.deepcopy(model)
+    cm = moe_compile(model, spec)
+    msgs.append(abs(cm(input_ids=b, labels=b).loss.item() - dense(input_ids=b, labels=b).loss.item()))
+    long = make_batches(1, 2, 16)[0]
+    try:
+        cm(input_ids=long, labels=long)
+    except UnsupportedFeatureError as e:
+        msgs.append(str(e))
+    cm.close()
     return msgs
 
 
 def test_context_parallel_refuses_what_a_shard_would_compute_wrongly():
     """Each was accepted and silently off at cp=2: the load-balancing loss asked per call (a shard's router
-    statistics: loss 7.56 for 6.55 on Mixtral; refused since, and now the whole sequences'), Llama 4's
-    temperature tuning (positions from the shard's length), a model that shifts the already-shifted
-    shard labels again or averages its shard (loss 11.1 for 5.6)."""
+    statistics: loss 7.56 for 6.55 on Mixtral; refused since, and now the whole sequences'), a model that
+    shifts the already-shifted shard labels again or averages its shard (loss 11.1 for 5.6). And a module
+    listed as making positions from its length whose arange passes/cp_positions.py cannot find."""
     for msgs in run_ranks(unsharded_cp_worker, 2):
         assert len(msgs) == 5, msgs
         assert msgs[0] <= 1e-5 * 6, msgs[0]  # the dense model's loss with its load-balancing term
-        assert "a sequence of 16 tokens reaches position 15, where Llama 4's attention temperature" in msgs[1]
-        assert msgs[2] <= 1e-5 * 6, msgs[2]  # S = 8 < floor_scale: the dense model's loss (≈ 5.5)
-        assert "reads labels and not shift_labels" in msgs[3]
-        assert "ignores num_items_in_batch" in msgs[4]
+        assert "reads labels and not shift_labels" in msgs[1]
+        assert "ignores num_items_in_batch" in msgs[2]
+        assert msgs[3] <= 1e-5 * 6, msgs[3]  # S = 8: the dense model's loss
+        assert msgs[4].startswith("layers.0.attn: context parallelism (cp=2)") and "reaches position 15" in msgs[4]
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ def _model(name: str, layers: int, **kw):
         from moe_compile.models.hf import tiny_family_model
 
         return tiny_family_model(name[len("family:"):], seed=0)
+    if name == "llama4_tuned":  # two layers as it is
+        return build_model(name, **kw)
     return build_model(name, **({"n_layers": layers} if name.startswith("tiny") else {"layers": layers}), **kw)
 
 
@@ -642,9 +644,11 @@ def check_pp_cp(results) -> None:
 
 
 def test_pipeline_with_context_parallelism():
-    """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM and OLMoE; then
-    forward-only evaluation of the same batch: each rank's shard of the dense model's logits and its loss."""
-    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe")))
+    """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM, OLMoE and Llama 4
+    with attention temperature tuning (a NoPE layer on each stage: the later stage's positions come from
+    no graph input); then forward-only evaluation of the same batch: each rank's shard of the dense model's
+    logits and its loss."""
+    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe", "llama4_tuned")))
 
 
 def test_load_balancing_losses_under_pipeline_and_context_parallelism():

@@ -74,7 +74,8 @@ reduce_scatter.register_autograd(_backward_rs, setup_context=_setup)
 @torch.library.custom_op("moe_cp::positions", mutates_args=())
 def positions(like: torch.Tensor, seq: int, cp: int, rank: int) -> torch.Tensor:
     """[1, seq/cp] global positions of CP rank ``rank``'s tokens (runtime.context_parallel.shard_positions),
-    for a graph that does not take position_ids itself (a later pipeline stage)."""
+    for a graph that does not take position_ids itself (a later pipeline stage) and in place of positions a
+    module makes from the shard's length (passes/cp_positions.py)."""
     from ..runtime.context_parallel import shard_positions
 
     return shard_positions(seq, cp, rank).to(like.device).unsqueeze(0)

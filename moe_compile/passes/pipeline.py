@@ -9,6 +9,7 @@ import torch.fx as fx
 from ..ir import Stage, set_stage
 from .base import MoEPass, PassContext, PassRecord, op_counts, require_stage
 from .context_parallel import context_parallel_attention
+from .cp_positions import cp_shard_positions
 from .index_bounds import index_bounds
 from .insert_dispatch_combine import insert_dispatch_combine
 from .mxfp8_casts import mxfp8_casts
@@ -16,7 +17,8 @@ from .partition_experts import partition_experts
 from .plan_leases import plan_leases
 from .verify import verify
 
-FORWARD_PASSES: list[MoEPass] = [index_bounds, context_parallel_attention, partition_experts, insert_dispatch_combine]
+FORWARD_PASSES: list[MoEPass] = [index_bounds, context_parallel_attention, cp_shard_positions, partition_experts,
+                                 insert_dispatch_combine]
 JOINT_PASSES: list[MoEPass] = [mxfp8_casts, plan_leases]
 
 

@@ -38,11 +38,9 @@ def shard_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
 
 
-def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True,
-                limit: int | None = None) -> dict[str, Any]:
+def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) -> dict[str, Any]:
     """The model kwargs of this CP rank's shard (see the module docstring). ``count=False``: no
     num_items_in_batch (the model returns its shard's mean; a pipeline weights it per microbatch).
-    ``limit``: the program's ``cp_seq_limit`` (sequences that long or longer are refused).
     output_router_logits=True is passed on: the caller runs the model's load-balancing loss over the
     whole sequences (runtime/cp_balance_loss.py)."""
     ids = kwargs.get("input_ids")
@@ -58,11 +56,6 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True,
         raise OptionError("context parallelism: attention_mask with padding is not supported (the sharded "
                           "attention is causal over the whole sequence); pass full sequences without a mask")
     b, s = ids.shape
-    if limit is not None and s > limit:
-        raise OptionError(f"context parallelism: a sequence of {s} tokens reaches position {limit}, where Llama 4's "
-                          "attention temperature tuning (config.attn_temperature_tuning, its NoPE layers) starts to "
-                          "scale queries by a position it takes from the rank's shard, not the sequence; use shorter "
-                          "sequences, attn_temperature_tuning=False or cp=1")
     handled = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
     per_token = [k for k, v in kwargs.items() if k not in handled and isinstance(v, torch.Tensor)
                  and v.dim() >= 2 and tuple(v.shape[:2]) == (b, s)]

@@ -354,8 +354,7 @@ class PipelineRuntime:
             labels = kwargs["labels"]
             _refuse_position_ids(kwargs)
             check_balance_loss(self.cm.model, kwargs)
-            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False,
-                                 limit=self.cm.program.cp_seq_limit)
+            kwargs = shard_batch(kwargs, spec.cp, self.cm.groups.cp_rank, count=False)
             # CP rank r's loss of microbatch j is the mean over its n_rj loss tokens: weighted n_rj / N, the
             # CP group's sum over ranks and microbatches is the batch's mean over its N loss tokens
             local = (kwargs["shift_labels"] != -100).reshape(m, -1).sum(1).double()
@@ -457,7 +456,7 @@ class PipelineRuntime:
             _refuse_position_ids(kwargs)
             check_balance_loss(self.cm.model, kwargs)
             labels = kwargs.get("labels")
-            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank, count=False, limit=self.cm.program.cp_seq_limit)
+            kwargs = shard_batch(kwargs, cp, self.cm.groups.cp_rank, count=False)
             if labels is not None:
                 total = (labels[..., 1:] != -100).sum().double()
                 share = ((kwargs["shift_labels"] != -100).sum().double() / total).float() if total > 0 else None
