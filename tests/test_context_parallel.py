@@ -257,10 +257,10 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     dense = copy.deepcopy(model)
     cm = moe_compile(model, spec)
     b = make_batches(1, 2, 10)[0]
-    packed = torch.arange(4).repeat(2).expand(2, -1)  # two sequences of 4 in each row
+    square = torch.ones(2, 1, 8, 8, dtype=torch.bool)  # a 4-D mask: its key and query axes would both need cutting
     for kw in ({"input_ids": b, "labels": b},
-               {"input_ids": b[:, :8], "labels": b[:, :8], "attention_mask": torch.tensor([[1] * 7 + [0]] * 2)},
-               {"input_ids": b[:, :8], "labels": b[:, :8], "position_ids": packed},
+               {"input_ids": b[:, :8], "labels": b[:, :8], "attention_mask": square},
+               {"input_ids": b[:, :8], "labels": b[:, :8], "position_ids": torch.arange(6).expand(2, -1)},
                {"input_ids": b[:, :8], "use_cache": True},
                {"input_ids": b[:, :8], "labels": b[:, :8], "token_type_ids": torch.zeros_like(b[:, :8])}):
         try:
@@ -270,7 +270,7 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     good = b[:, :8]  # a train_step whose CP shard rank 1 alone refuses: both refuse, then both train on
     mine = dict(input_ids=good, labels=good)
     if rank == 1:
-        mine["attention_mask"] = torch.tensor([[1] * 7 + [0]] * 2)
+        mine["attention_mask"] = square
     try:
         cm.train_step(**mine)
     except OptionError as e:
@@ -291,6 +291,48 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     return msgs, (whole, as_tuple, want, given)
 
 
+def masks_worker(rank: int, world: int) -> dict:
+    """cp=2: padded and packed batches of OLMoE with its load-balancing loss, against the dense model."""
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    b = make_batches(1, 2, 16, seed=5)[0]
+    right, left = torch.ones_like(b), torch.ones_like(b)
+    right[0, -5:] = 0
+    left[1, :7] = 0
+    packed = torch.stack([torch.cat([torch.arange(5), torch.arange(11)]), torch.cat([torch.arange(9), torch.arange(7)])])
+    cases = {"right_padding": {"attention_mask": right, "use_cache": False},
+             "left_padding": {"attention_mask": left, "use_cache": False},
+             "packed": {"position_ids": packed, "use_cache": False},
+             # transformers keeps packed sequences apart only without an attention_mask and a cache
+             "packed_with_a_mask": {"position_ids": packed, "attention_mask": torch.ones_like(b), "use_cache": False},
+             "packed_with_a_cache": {"position_ids": packed}}
+    out = {}
+    for case, kw in cases.items():
+        model = _model("olmoe_aux")
+        labels = b.masked_fill(kw.get("attention_mask", torch.ones_like(b)) == 0, -100)
+        ref = copy.deepcopy(model)
+        want = ref(input_ids=b, labels=labels, **kw)
+        want.loss.backward()
+        cm = moe_compile(model, spec)
+        got = cm(input_ids=b, labels=labels, **kw)
+        got.loss.backward()
+        grads, ref_grads = cm.full_grads(), grads_of(ref)
+        out[case] = (got.loss.item(), want.loss.item(), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+        cm.close()
+    return out
+
+
+def test_cp2_padding_and_packed_sequences():
+    """Refused before (attention_mask with padding; position_ids that restart): the attention's mask over
+    the gathered keys is the whole sequence's as transformers makes it (padding keys masked; packed
+    sequences kept apart where the position ids restart, only without an attention_mask and a cache), and
+    the load-balancing loss leaves the padding out. Loss and every gradient as the dense model's; the packed
+    case's loss differs from the unpacked ones' by 2e-3, left padding's from no masking by more."""
+    for out in run_ranks(masks_worker, 2):
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+        assert abs(out["packed"][1] - out["packed_with_a_mask"][1]) > 1e-3, out  # the case tests something
+
+
 def test_context_parallel_bad_input_is_a_clear_error():
     for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs
@@ -300,11 +342,11 @@ def test_context_parallel_bad_input_is_a_clear_error():
         assert "layers of kind ['chunked_attention']" in msgs[3]
         assert "layers.0.mix is a convolution" in msgs[4]
         assert "sequence length 10 is not divisible by 2·cp = 4" in msgs[5]
-        assert "attention_mask with padding" in msgs[6]
-        assert "position_ids must have input_ids' shape (2, 8) and increase" in msgs[7] and "packed" in msgs[7]
+        assert "attention_mask must be the 2-D padding mask of input_ids' shape (2, 8) (got (2, 1, 8, 8))" in msgs[6]
+        assert "position_ids must have input_ids' shape (2, 8) (got shape (2, 6))" in msgs[7]
         assert "a KV cache (use_cache=True" in msgs[8]
         assert "['token_type_ids'] ((2, 8)) look per-token and would not be sharded" in msgs[9]
-        assert ("attention_mask with padding" if rank == 1 else "rank 1 refused its batch") in msgs[10], msgs[10]
+        assert ("attention_mask must be the 2-D" if rank == 1 else "rank 1 refused its batch") in msgs[10], msgs[10]
         assert "no rank started the step" in msgs[10], msgs[10]
         assert msgs[11] <= TOL, msgs[11]  # the next step: the dense model's loss on every CP rank
         assert as_tuple == whole, (as_tuple, whole)

@@ -6,8 +6,8 @@
                                                 (all-reduce then slice: gloo has no reduce-scatter)
 
 K/V of attention travel through all_gather in forward and their gradients through reduce_scatter
-in backward (the all-gather form of context-parallel attention). Integer tensors (positions) have
-no gradient. ``cp`` is the group size, so that fake kernels know the gathered shape.
+in backward (the all-gather form of context-parallel attention). Integer tensors (positions, the padding
+mask) have no gradient; ``moe_cp::causal_mask`` makes the attention mask over the gathered keys from them. ``cp`` is the group size, so that fake kernels know the gathered shape.
 """
 
 from __future__ import annotations
@@ -84,6 +84,36 @@ def positions(like: torch.Tensor, seq: int, cp: int, rank: int) -> torch.Tensor:
 @positions.register_fake
 def _(like, seq, cp, rank):
     return like.new_empty((1, seq // cp), dtype=torch.int64)
+
+
+@torch.library.custom_op("moe_cp::causal_mask", mutates_args=())
+def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: int, rank: int,
+                packed: bool) -> torch.Tensor:
+    """[b, 1, seq/cp, seq] boolean mask of CP rank ``rank``'s queries over the CP group's gathered keys
+    (rank-major shards), transformers' causal mask over the whole sequence: key token ≤ query token (by
+    global token index), within one packed sequence when ``packed`` (a new one starts where the gathered
+    position ids ``kpos`` [b, seq], back in sequence order, do not step by 1), and not a padding key
+    (``kvalid`` [b, seq], the gathered attention_mask, 0 at padding)."""
+    from ..runtime.context_parallel import shard_positions
+
+    dev = kpos.device
+    kidx = torch.cat([shard_positions(seq, cp, r) for r in range(cp)]).to(dev)
+    qidx = shard_positions(seq, cp, rank).to(dev)
+    b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
+    m = (kidx[None, :] <= qidx[:, None]).expand(b, -1, -1)
+    if packed:
+        in_order = kpos.expand(b, -1)[:, torch.argsort(kidx)]
+        seg = (torch.diff(in_order, prepend=in_order[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        m = m & (seg[:, kidx][:, None, :] == seg[:, qidx][:, :, None])
+    if kvalid is not None:
+        m = m & kvalid.expand(b, -1).bool()[:, None, :]
+    return m.unsqueeze(1).contiguous()
+
+
+@causal_mask.register_fake
+def _(kpos, kvalid, seq, cp, rank, packed):
+    b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
+    return kpos.new_empty((b, 1, seq // cp, seq), dtype=torch.bool)
 
 
 class LossSum(torch.autograd.Function):

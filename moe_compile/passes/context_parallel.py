@@ -6,15 +6,16 @@ position ids as the ``position_ids`` graph input. Everything per token then runs
 is the one op that mixes tokens, so this pass rewrites each scaled-dot-product-attention node:
 
     K = moe_cp::all_gather(k, seq dim)        V = moe_cp::all_gather(v, seq dim)
-    kpos = moe_cp::all_gather(position_ids)   (once per graph)
-    mask = kpos[b, None, None, :] ≤ qpos[b, None, :, None]      causal by global positions
+    mask = moe_cp::causal_mask(all_gather(position_ids), all_gather(attention_mask), …)   (once per graph)
     out  = sdpa(q, K, V, attn_mask=mask, scale, enable_gqa)     (GQA kept as the model had it)
 
-Backward of the all-gathers reduce-scatters the K/V gradients. The model's own causal or
-packed-sequence mask for the local shard is replaced: under cp the batch has no padding mask (checked
-at run time) and attention is causal (or bidirectional when the node has neither mask nor
-``is_causal``). A graph with no SDPA node (the eager matmul-softmax form) or with dropout in
-attention is refused, naming the module; sliding-window attention is refused at compile time.
+Backward of the all-gathers reduce-scatters the K/V gradients. The model's own mask for the local
+shard is replaced by the whole sequence's, as transformers makes it (masking_utils): causal by global
+token index, padding keys masked (the batch's attention_mask, sharded like the tokens), and, without an
+attention_mask, packed sequences kept apart where the position ids restart. A node with ``is_causal``
+and no mask of the model's gets the causal mask alone (the model ignored padding and packing), one with
+neither none (bidirectional). A graph with no SDPA node (the eager matmul-softmax form) or with dropout
+in attention is refused, naming the module; sliding-window attention is refused at compile time.
 
 ``moe-compile explain`` captures on the meta device with SDPA as the fused CPU kernel (what a rank
 saves, not the math path's probabilities): those calls are rewritten the same way, the boolean mask
@@ -25,7 +26,6 @@ Requires DENSE, ensures DENSE. A no-op at cp = 1.
 
 from __future__ import annotations
 
-import operator
 import re
 
 import torch
@@ -96,30 +96,43 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             "that reads no positions (no position embeddings, e.g. granitemoehybrid with position_embedding_type="
             "None) is refused too: from the graph it cannot be told from one that makes its own positions from the "
             "shard's length, which would be wrong")
-    with g.inserting_after(pos):
-        kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
-    propagate_fake([kpos])
+    seq = int(_arg(attn[0], 1).meta["val"].shape[-2]) * cp
+    pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
+    masks: dict[bool, fx.Node] = {}  # the model made the mask (padding, packing) → the CP mask; built once
+
+    def mask_for(model_made: bool) -> fx.Node:
+        if model_made not in masks:
+            with g.inserting_before(attn[0]):
+                kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
+                kvalid = None
+                if model_made and pad is not None:
+                    kvalid = g.call_function(torch.ops.moe_cp.all_gather.default, (pad, 1, prog.ctx_id, cp))
+                # transformers packs sequences by restarting position ids only when no attention_mask is given
+                packed = model_made and pad is None and pos.op == "placeholder"
+                masks[model_made] = g.call_function(torch.ops.moe_cp.causal_mask.default,
+                                                    (kpos, kvalid, seq, cp, prog.cp_rank, packed))
+            propagate_fake([a for a in (kpos, kvalid, masks[model_made]) if a is not None])
+        return masks[model_made]
+
     for n in attn:
         dropout = _arg(n, 4, 0.0)
         if dropout not in (0, 0.0):
             raise UnsupportedFeatureError(f"{_where(n)}: attention dropout {dropout} under context parallelism"
                                           f"{user_line(n)}")
         q, k, v = _arg(n, 0), _arg(n, 1), _arg(n, 2)
-        causal = _arg(n, 3) is not None or bool(_arg(n, 5, False))
-        seq = len(k.meta["val"].shape) - 2
+        model_made = _arg(n, 3) is not None
+        causal = model_made or bool(_arg(n, 5, False))
+        sdim = len(k.meta["val"].shape) - 2
+        mask = mask_for(model_made) if causal else None
         new: list[fx.Node] = []
         with g.inserting_before(n):
-            kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, seq, prog.ctx_id, cp))
-            vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, seq, prog.ctx_id, cp))
+            kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
+            vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, sdim, prog.ctx_id, cp))
             new += [kg, vg]
             kwargs = {"scale": _arg(n, 6)}
             if _arg(n, 7, False):
                 kwargs["enable_gqa"] = True
             if causal:
-                qp = g.call_function(torch.unsqueeze, (g.call_function(torch.unsqueeze, (pos, 1)), -1))
-                kp = g.call_function(torch.unsqueeze, (g.call_function(torch.unsqueeze, (kpos, 1)), 1))
-                mask = g.call_function(operator.le, (kp, qp))
-                new += [qp.args[0], qp, kp.args[0], kp, mask]
                 kwargs["attn_mask"] = mask
             if n.target in FUSED:  # (out, log-sum-exp) as the node it replaces; no GQA flag (heads as they are)
                 kwargs.pop("enable_gqa", None)

@@ -5,8 +5,9 @@ small); the compiled program keeps only this rank's shard of every activation:
 
     chunks   S split into 2·cp equal chunks; CP rank r takes chunks r and 2cp−1−r (causal attention
              costs the same on every rank); S not divisible by 2·cp is an error
-    inputs   input_ids[:, I_r], position_ids = global positions I_r (the model's own rotary / position
-             code sees the real positions), no padding mask (absent or all ones)
+    inputs   input_ids[:, I_r], position_ids = global positions I_r or the user's position ids at I_r
+             (the model's own rotary / position code sees the real positions; restarting ones, packed
+             sequences, are kept apart in attention as transformers does), attention_mask[:, I_r]
     labels   shifted over the whole sequence first (position i predicts token i+1; the last position
              −100), then sharded: shift_labels = shifted[:, I_r], so no token is lost at chunk edges
              (a user's shift_labels [B, S] are sharded as given); num_items_in_batch = the whole batch's
@@ -52,9 +53,9 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
         raise OptionError("context parallelism: a KV cache (use_cache=True, past_key_values, cache_position) would "
                           "hold one rank's shard of the keys, out of sequence order; pass use_cache=False")
     mask = kwargs.get("attention_mask")
-    if mask is not None and not bool((mask != 0).all()):
-        raise OptionError("context parallelism: attention_mask with padding is not supported (the sharded "
-                          "attention is causal over the whole sequence); pass full sequences without a mask")
+    if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+        raise OptionError(f"context parallelism: attention_mask must be the 2-D padding mask of input_ids' shape "
+                          f"{tuple(ids.shape)} (got {tuple(mask.shape)})")
     b, s = ids.shape
     handled = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
     per_token = [k for k, v in kwargs.items() if k not in handled and isinstance(v, torch.Tensor)
@@ -65,13 +66,14 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
     idx = shard_positions(s, cp, rank).to(ids.device)
     out = {k: v for k, v in kwargs.items() if k not in handled}
     out["input_ids"] = ids[:, idx]
+    if mask is not None:  # the attention's mask over the gathered keys reads it (passes/context_parallel.py)
+        out["attention_mask"] = mask[:, idx].contiguous()
     given = kwargs.get("position_ids")
-    if given is not None and (given.shape != ids.shape or not bool((given[:, 1:] > given[:, :-1]).all())):
-        # the sharded attention's causal mask compares positions: restarting (packed) ones would let a token
-        # see later tokens of the sequence
-        raise OptionError(f"context parallelism: position_ids must have input_ids' shape {tuple(ids.shape)} and "
-                          f"increase along every sequence (got shape {tuple(given.shape)}"
-                          + (")" if given.shape != ids.shape else ", with restarts, e.g. packed sequences)"))
+    if given is not None and tuple(given.shape) not in ((b, s), (1, s)):
+        raise OptionError(f"context parallelism: position_ids must have input_ids' shape {tuple(ids.shape)} "
+                          f"(got shape {tuple(given.shape)})")
+    if given is not None:  # restarts (packed sequences) are kept apart by the attention's mask, as transformers does
+        given = given.expand(b, -1)
     out["position_ids"] = (given[:, idx] if given is not None else idx.unsqueeze(0).expand(b, -1)).contiguous()
     labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
     if shifted is not None and tuple(shifted.shape) != (b, s):

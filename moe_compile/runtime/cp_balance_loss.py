@@ -11,7 +11,9 @@ While a CP rank's forward runs (and is traced), the function the model's module 
     logits_l  ← moe_cp::all_gather(logits_l, dim 0)    every layer's router logits of the CP group's
                                                         shards (backward: reduce-scatter, the sum of
                                                         every rank's gradient for this shard's rows)
-    aux       ← the family's own function on them, attention_mask=None (a CP batch has no padding)
+    mask      ← moe_cp::all_gather(attention_mask, dim 0): the shards' padding masks, [cp·b, S/cp], rows
+                in the gathered logits' order (rank, sequence, token)
+    aux       ← the family's own function on them
     return aux / q                                      q: the context's cp_aux_divisor
 
 Every rank of the group computes the whole-sequence aux. At pp = 1 the CP group's loss is the sum of
@@ -73,11 +75,15 @@ def whole_sequence(fn: Callable, ctx: int, cp: int, divisor: int) -> Callable:
     def balance_loss(gate_logits, *args, **kwargs):
         if isinstance(gate_logits, tuple | list) and gate_logits:
             gate_logits = tuple(torch.ops.moe_cp.all_gather(t, 0, ctx, cp) for t in gate_logits)
-        if mask is not None:  # a CP batch has no padding (checked per call); the shard's mask fits no gathered row
-            if "attention_mask" in kwargs:
-                kwargs["attention_mask"] = None
-            elif len(args) > mask:
-                args = (*args[:mask], None, *args[mask + 1:])
+        if mask is not None:  # the shard's padding mask → the group's, [cp·b, S/cp] in the gathered rows' order
+            given = kwargs.get("attention_mask") if "attention_mask" in kwargs else (
+                args[mask] if len(args) > mask else None)
+            if isinstance(given, torch.Tensor):
+                given = torch.ops.moe_cp.all_gather(given, 0, ctx, cp)
+                if "attention_mask" in kwargs:
+                    kwargs["attention_mask"] = given
+                else:
+                    args = (*args[:mask], given, *args[mask + 1:])
         return fn(gate_logits, *args, **kwargs) / divisor
 
     balance_loss.wrapped = fn
