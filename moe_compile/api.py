@@ -115,6 +115,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         blocks={s.path: s for s, _ in blocks}, options=opts, mesh=spec, ctx_id=ctx_id, ep_size=spec.ep_mp,
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
         cp_rank=groups.cp_rank if groups else 0, cp_length_positions=cp_length_positions(model) if spec.cp > 1 else {},
+        cp_windows=cp_attention_windows(model) if spec.cp > 1 else {},
         codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}
@@ -145,7 +146,8 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     return CompiledMoE(model, program, groups, ddp, compiled, baked)
 
 
-CP_LAYER_KINDS = ("full_attention", "attention", "moe")  # layer kinds context parallelism reproduces exactly
+# layer kinds context parallelism reproduces exactly (sliding windows: the attention mask's, cp_attention_windows)
+CP_LAYER_KINDS = ("full_attention", "attention", "moe", "sliding_attention")
 
 
 def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
@@ -160,17 +162,9 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
                 f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
                 f"parallelism ({why}) would use one sequence shard's router statistics; set "
                 "output_router_logits=False or use cp=1")
-    window = getattr(cfg, "sliding_window", None)
+    # Only (sliding-window) causal attention is made whole across the shards; any other token mixer (linear
+    # attention, SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
-    uses_window = (window is not None and getattr(cfg, "use_sliding_window", True) is not False
-                   and (not types or any("sliding" in str(t) for t in types)))
-    if uses_window:
-        layers = [i for i, t in enumerate(types) if "sliding" in str(t)] or "all"
-        raise UnsupportedFeatureError(
-            f"mesh {spec}: sliding-window attention (window {window}, layers {layers}) under context parallelism is "
-            "not supported (the sharded attention is full causal); use cp=1")
-    # Only full causal attention is made whole across the shards; any other token mixer (linear attention,
-    # SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
     other = sorted({k for k in kinds if k not in CP_LAYER_KINDS})
     if other or (getattr(cfg, "attention_chunk_size", None) and not types):
@@ -184,6 +178,22 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         raise UnsupportedFeatureError(
             f"mesh {spec}: {convs[0]} is a convolution (token mixing over the sequence, {len(convs)} such modules) "
             "that would see one rank's shard only under context parallelism; use cp=1")
+
+
+def cp_attention_windows(model: nn.Module) -> dict[str, int]:
+    """Sliding-window attention under context parallelism: decoder layer index ("*": every layer) → its
+    window, read from the config as transformers' masks read it: ``config.sliding_window`` (not None or 0,
+    and use_sliding_window not False) on the layers whose ``config.layer_types`` entry is sliding, or on
+    every layer when the config has no layer_types. The CP mask applies it over the whole sequence
+    (moe_cp::causal_mask: key within the window before its query)."""
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return {}
+    types = getattr(cfg, "layer_types", None) or []
+    if not types:
+        return {"*": int(window)}
+    return {str(i): int(window) for i, t in enumerate(types) if "sliding" in str(t)}
 
 
 def cp_length_positions(model: nn.Module) -> dict[str, int]:

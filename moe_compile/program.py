@@ -38,6 +38,7 @@ class Program:
     # cp > 1: module path → first position where positions made from the shard's length would be wrong
     # (passes/cp_positions.py rewrites them to the shard's global ones)
     cp_length_positions: dict[str, int] = field(default_factory=dict)
+    cp_windows: dict[str, int] = field(default_factory=dict)  # cp > 1: decoder layer ("*": all) → sliding window
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
     schedule: object = None  # moe_compile.schedules.ScheduleOrder of a pipeline, which plans are proven against

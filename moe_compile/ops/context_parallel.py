@@ -88,19 +88,23 @@ def _(like, seq, cp, rank):
 
 @torch.library.custom_op("moe_cp::causal_mask", mutates_args=())
 def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: int, rank: int,
-                packed: bool) -> torch.Tensor:
+                packed: bool, window: int) -> torch.Tensor:
     """[b, 1, seq/cp, seq] boolean mask of CP rank ``rank``'s queries over the CP group's gathered keys
     (rank-major shards), transformers' causal mask over the whole sequence: key token ≤ query token (by
-    global token index), within one packed sequence when ``packed`` (a new one starts where the gathered
-    position ids ``kpos`` [b, seq], back in sequence order, do not step by 1), and not a padding key
-    (``kvalid`` [b, seq], the gathered attention_mask, 0 at padding)."""
+    global token index), fewer than ``window`` tokens before the query when ``window`` > 0 (sliding-window
+    attention), within one packed sequence when ``packed`` (a new one starts where the gathered position
+    ids ``kpos`` [b, seq], back in sequence order, do not step by 1), and not a padding key (``kvalid``
+    [b, seq], the gathered attention_mask, 0 at padding)."""
     from ..runtime.context_parallel import shard_positions
 
     dev = kpos.device
     kidx = torch.cat([shard_positions(seq, cp, r) for r in range(cp)]).to(dev)
     qidx = shard_positions(seq, cp, rank).to(dev)
     b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
-    m = (kidx[None, :] <= qidx[:, None]).expand(b, -1, -1)
+    m = kidx[None, :] <= qidx[:, None]
+    if window > 0:
+        m = m & (qidx[:, None] - kidx[None, :] < window)
+    m = m.expand(b, -1, -1)
     if packed:
         in_order = kpos.expand(b, -1)[:, torch.argsort(kidx)]
         seg = (torch.diff(in_order, prepend=in_order[:, :1] - 1, dim=-1) != 1).cumsum(-1)
@@ -111,7 +115,7 @@ def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: i
 
 
 @causal_mask.register_fake
-def _(kpos, kvalid, seq, cp, rank, packed):
+def _(kpos, kvalid, seq, cp, rank, packed, window):
     b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
     return kpos.new_empty((b, 1, seq // cp, seq), dtype=torch.bool)
 

@@ -15,7 +15,8 @@ token index, padding keys masked (the batch's attention_mask, sharded like the t
 attention_mask, packed sequences kept apart where the position ids restart. A node with ``is_causal``
 and no mask of the model's gets the causal mask alone (the model ignored padding and packing), one with
 neither none (bidirectional). A graph with no SDPA node (the eager matmul-softmax form) or with dropout
-in attention is refused, naming the module; sliding-window attention is refused at compile time.
+in attention is refused, naming the module. Sliding-window layers (api.cp_attention_windows: the config's
+window on its sliding layers) get the window in the same mask, by global token index.
 
 ``moe-compile explain`` captures on the meta device with SDPA as the fused CPU kernel (what a rank
 saves, not the math path's probabilities): those calls are rewritten the same way, the boolean mask
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
+from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -98,21 +100,22 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             "shard's length, which would be wrong")
     seq = int(_arg(attn[0], 1).meta["val"].shape[-2]) * cp
     pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
-    masks: dict[bool, fx.Node] = {}  # the model made the mask (padding, packing) → the CP mask; built once
+    masks: dict[tuple[bool, int], fx.Node] = {}  # (the model made the mask, window) → the CP mask; built once
 
-    def mask_for(model_made: bool) -> fx.Node:
-        if model_made not in masks:
-            with g.inserting_before(attn[0]):
+    def mask_for(model_made: bool, window: int, at: fx.Node) -> fx.Node:
+        if (model_made, window) not in masks:  # before its first user (attention nodes come in graph order)
+            with g.inserting_before(at):
                 kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
                 kvalid = None
                 if model_made and pad is not None:
                     kvalid = g.call_function(torch.ops.moe_cp.all_gather.default, (pad, 1, prog.ctx_id, cp))
                 # transformers packs sequences by restarting position ids only when no attention_mask is given
                 packed = model_made and pad is None and pos.op == "placeholder"
-                masks[model_made] = g.call_function(torch.ops.moe_cp.causal_mask.default,
-                                                    (kpos, kvalid, seq, cp, prog.cp_rank, packed))
-            propagate_fake([a for a in (kpos, kvalid, masks[model_made]) if a is not None])
-        return masks[model_made]
+                mask = g.call_function(torch.ops.moe_cp.causal_mask.default,
+                                       (kpos, kvalid, seq, cp, prog.cp_rank, packed, window))
+            propagate_fake([a for a in (kpos, kvalid, mask) if a is not None])
+            masks[(model_made, window)] = mask
+        return masks[(model_made, window)]
 
     for n in attn:
         dropout = _arg(n, 4, 0.0)
@@ -123,7 +126,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         model_made = _arg(n, 3) is not None
         causal = model_made or bool(_arg(n, 5, False))
         sdim = len(k.meta["val"].shape) - 2
-        mask = mask_for(model_made) if causal else None
+        mask = mask_for(model_made, _window(n, prog.cp_windows), n) if causal else None
         new: list[fx.Node] = []
         with g.inserting_before(n):
             kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
@@ -153,6 +156,21 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     g.eliminate_dead_code(is_impure_node=_keeps)
     gm.recompile()
     return gm
+
+
+def _window(n: fx.Node, windows: dict[str, int]) -> int:
+    """The sliding window of ``n``'s decoder layer (0: none; api.cp_attention_windows)."""
+    if not windows:
+        return 0
+    if "*" in windows:
+        return windows["*"]
+    m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", module_path(n) or "")
+    if m is None:
+        raise UnsupportedFeatureError(
+            f"{_where(n)}: context parallelism (cp) applies the sliding window of config.layer_types per decoder "
+            f"layer ({sorted(windows, key=int)} slide), but this attention's layer cannot be told from its module "
+            f"path{user_line(n)}; use cp=1")
+    return windows.get(m.group(1), 0)
 
 
 def _reads(nodes: list[fx.Node], pattern: str) -> bool:
