@@ -130,8 +130,15 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         split = plan_split(model, [s for s, _ in blocks], schedule.pp * schedule.stages_per_rank, opts.pp_split,
                            phases)
         local = {groups.pp_rank + k * spec.pp for k in range(schedule.stages_per_rank)}
-        program.owned = {n for n, st in split.owner.items() if st in local} | {n for n, _ in model.named_buffers()}
-    ddp = _reducer(model, program, groups) if groups is not None else None
+        program.owned = ({n for n, st in split.owner.items() if st in local or local & set(split.tied.get(n, ()))}
+                         | {n for n, _ in model.named_buffers()})  # a tied weight: under all its names
+    tied = []
+    if split is not None and split.tied and groups is not None:
+        from .runtime.tied_weights import tied_weights
+
+        tied = tied_weights(model, split.tied, spec, groups)
+        program.tied_copies = {n for t in tied if not t.first for n in t.names}
+    ddp = _reducer(model, program, groups, tied) if groups is not None else None
     prepare_for_capture(model)
     if split is not None:
         from .runtime.pipeline_runtime import PipelineRuntime
@@ -310,7 +317,7 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistributedDataParallel:
+def _reducer(model: nn.Module, program: Program, groups, tied: list | None = None) -> MultiGroupDistributedDataParallel:
     expert_names = {n for s in program.blocks.values() for n in s.expert_param_names}
     dense, expert = [], []
     for name, p in model.named_parameters():
@@ -329,7 +336,8 @@ def _reducer(model: nn.Module, program: Program, groups) -> MultiGroupDistribute
                     pre_scale=spec.cp / spec.ep_mp),
     ]
     return MultiGroupDistributedDataParallel(fams, bucket_bytes=int(program.options.bucket_mb * 2**20),
-                                             host_shm=_grad_host_shm(program.options, fams, groups.device_type))
+                                             host_shm=_grad_host_shm(program.options, fams, groups.device_type),
+                                             tied=[(t.param, t.group, t.size) for t in tied or []])
 
 
 def _grad_host_shm(opts: CompileOptions, fams: list[ParamFamily], device_type: str) -> bool:

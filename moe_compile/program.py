@@ -41,6 +41,8 @@ class Program:
     cp_windows: dict[str, int] = field(default_factory=dict)  # cp > 1: decoder layer ("*": all) → sliding window
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
+    tied_copies: set = field(default_factory=set)  # names of weights tied across stages another rank also holds
+    #                                                and counts in the gradient norm (runtime/tied_weights.py)
     schedule: object = None  # moe_compile.schedules.ScheduleOrder of a pipeline, which plans are proven against
     # the gradient reducer the in-graph reduction nodes reach (None: ctx_id's); explain's plan of a stage
     # another rank holds: that rank's buckets (train/planned_buckets.py)

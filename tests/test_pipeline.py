@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_compile import MeshSpec, moe_compile
-from moe_compile.errors import IRError, MeshError, OptionError, RuntimeFault, UnsupportedFeatureError
+from moe_compile.errors import IRError, MeshError, OptionError, RuntimeFault
 from moe_compile.passes.split_stages import outside_phases, plan_split
 
 from .common import build_model, cli_train, grads_of, make_batches, metric_rows, rel_err
@@ -276,9 +276,8 @@ def test_split_errors_name_the_rule():
         plan_split(model, _blocks(model), 3)
     with pytest.raises(MeshError, match="pp_split entry 'layers.9'"):
         plan_split(model, _blocks(model), 2, ["layers.9"])
-    tied = build_model("olmoe", tie_word_embeddings=True)
-    with pytest.raises(UnsupportedFeatureError, match="tied weights.*stages 0 and 1.*tie_word_embeddings"):
-        plan_split(tied, _blocks(tied), 2)
+    tied = build_model("olmoe", tie_word_embeddings=True)  # refused before; held by both stages now
+    assert plan_split(tied, _blocks(tied), 2).tied == {"model.embed_tokens.weight": (0, 1), "lm_head.weight": (0, 1)}
 
 
 def bad_input_worker(rank: int, world: int) -> list[str]:
@@ -826,3 +825,54 @@ def test_train_summary_reads_the_stage_programs(tmp_path):
     out = cli_train(tmp_path, 2, "pp=2", 2, "m.jsonl", "--microbatches", "2", "--activation-checkpointing", "full")
     m = re.search(r"recompute full \((\w+) ops\)", out)
     assert m is not None and m.group(1).isdigit() and int(m.group(1)) > 0, out[-500:]
+
+
+def tied_embeddings_worker(rank: int, world: int, mesh: str, root: str, resume: bool) -> dict:
+    """OLMoE with tied input and output embeddings: 3 steps of OLMoDDPOptimizer (reduce-scattered, clipped
+    at 0.5, under the gradient norm of every step), a checkpoint after the second (``resume``: from it)."""
+    from moe_compile.train.checkpoint import load_checkpoint, save_checkpoint
+    from moe_compile.train.optimizer import OLMoDDPOptimizer
+
+    spec = MeshSpec.parse(mesh).resolve(world)
+    model = build_model("olmoe", layers=4, tie_word_embeddings=True)
+    cm = moe_compile(model, spec, microbatches=2, **({"schedule": "interleaved_1f1b"} if spec.pp > 1 else {}))
+    opt = OLMoDDPOptimizer(cm, lr=1e-2, max_grad_norm=0.5, reduce_scatter=True)
+    steps = [make_batches(2, 4, 16, seed=10 + i)[spec.dense_coords(rank)[1]] for i in range(3)]
+    out = {"loss": [], "norm": []}
+    if resume:
+        load_checkpoint(root, cm, opt)
+    for i in range(2 if resume else 0, 3):
+        out["loss"].append(cm.train_step(input_ids=steps[i], labels=steps[i]).item())
+        out["norm"].append(opt.step().grad_norm)
+        opt.zero_grad()
+        if i == 1 and root and not resume:  # the dp=2 reference saves nothing
+            save_checkpoint(root, cm, opt, 2, 2)
+    out["local"] = cm.model.lm_head.weight.detach().clone()  # this rank's copy (the full state merges them)
+    out["state"] = cm.full_state_dict()
+    cm.close()
+    return out
+
+
+def test_tied_embeddings_across_pipeline_stages(tmp_path):
+    """Refused before: tied input and output embeddings at pp > 1. Each of the two stages holds the weight,
+    its ranks sum their parts of its gradient, and the gradient norm counts it once. pp=2 × dp=2 (interleaved,
+    4 stages) trains 3 steps as dp=2 does (losses within 1e-6, gradient norms, which clip every step,
+    within 1e-6; weights within 5e-5 of their scale after three AdamW steps of lr 1e-2), both stages' copies stay equal, and its checkpoint resumes on dp=2."""
+    pp = run_ranks(tied_embeddings_worker, 4, "pp=2,dp=2", str(tmp_path / "ck"), False)
+    dp = run_ranks(tied_embeddings_worker, 2, "dp=2", "", False)
+    resumed = run_ranks(tied_embeddings_worker, 2, "dp=2", str(tmp_path / "ck"), True)
+    for rank, r in enumerate(pp):
+        ref = dp[spec_dp(rank)]
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(r["loss"], ref["loss"])), (r["loss"], ref["loss"])
+        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(r["norm"], ref["norm"])), (r["norm"], ref["norm"])
+        assert min(r["norm"]) > 0.5  # every step clipped: the norm decided the update
+        assert torch.equal(r["local"], pp[(rank + 2) % 4]["local"])  # stage 0's copy and stage 1's
+        assert set(r["state"]) == set(ref["state"])
+        assert max(rel_err(r["state"][k], ref["state"][k]) for k in ref["state"]) <= 5e-5
+    for r, ref in zip(resumed, dp):
+        assert abs(r["loss"][0] - ref["loss"][2]) <= 1e-6 * abs(ref["loss"][2]), (r["loss"], ref["loss"])
+        assert max(rel_err(r["state"][k], ref["state"][k]) for k in ref["state"]) <= 5e-5
+
+
+def spec_dp(rank: int) -> int:
+    return MeshSpec.parse("pp=2,dp=2").resolve(4).dense_coords(rank)[1]

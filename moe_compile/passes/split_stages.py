@@ -22,8 +22,10 @@ Glossary: P / PP (stages), B / m (microbatches), P_local. The split has two halv
                       returns them, stage s receives them (values just passing through included)
         stage s     = (boundary s activations, batch inputs by name) → boundary s+1 | graph output
 
-A parameter used on another stage than its owner (tied input/output embeddings across stages, a
-module outside the layers used among them) is refused with the two stages named.
+A parameter tied across stages (input and output embeddings: one tensor under names of the first and
+the last stage) is held by each of those stages and read where used, like a buffer; their ranks sum its
+gradient (train/ddp.py). Any other parameter used on another stage than its owner (a module outside the
+layers used among them, a tied one read by a stage holding none of its names) is refused, naming them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class StageSplit:
     owner: dict[str, int] = field(default_factory=dict)  # parameter name → stage
     cost: tuple[float, ...] = ()  # per-stage cost the split balanced
     by_first_run: bool = False  # parameters outside the layers placed by where they first run (else registration)
+    # a parameter tied across stages (input and output embeddings): each of its names → the stages its names
+    # belong to; every one of them holds it, and their gradients are summed (train/ddp.py's tied sync)
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def layers_of(self, stage: int) -> list[int]:
         return [i for i, s in enumerate(self.layer_stage) if s == stage]
@@ -141,7 +146,7 @@ def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[s
         return 0 if mod_pos.get(mod, 0) < first else num_stages - 1
 
     tail = 0.0
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied LM head computes on the last stage
         mod = name.rsplit(".", 1)[0] if "." in name else ""
         if not name.startswith(path + ".") and outside_stage(mod) == num_stages - 1:
             tail += p.numel()
@@ -163,20 +168,21 @@ def plan_split(model: nn.Module, blocks: list, num_stages: int, pp_split: list[s
     stage_cost = [sum(costs[i] for i in range(n) if layer_stage[i] == k) for k in range(num_stages)]
     stage_cost[-1] += tail
     owner: dict[str, int] = {}
-    where: dict[int, tuple[str, int]] = {}
+    aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         m = re.match(re.escape(path) + r"\.(\d+)\.", name)
         if m:
             st = layer_stage[int(m.group(1))]
         else:
             st = outside_stage(name.rsplit(".", 1)[0] if "." in name else "")
-        prev = where.setdefault(id(p), (name, st))
-        if prev[1] != st:
-            raise UnsupportedFeatureError(
-                f"parameters {prev[0]} and {name} are one tensor (tied weights) but belong to pipeline stages "
-                f"{prev[1]} and {st}; untie them (e.g. config.tie_word_embeddings=False) or use pp=1")
+        aliases.setdefault(id(p), []).append(name)
         owner.setdefault(name, st)
-    return StageSplit(path, tuple(layer_stage), num_stages, owner, tuple(stage_cost), phases is not None)
+    tied = {}
+    for names in aliases.values():  # one tensor under names of several stages (tied input/output embeddings)
+        stages = tuple(sorted({owner[n] for n in names}))
+        if len(stages) > 1:
+            tied.update({n: stages for n in names})
+    return StageSplit(path, tuple(layer_stage), num_stages, owner, tuple(stage_cost), phases is not None, tied)
 
 
 # -- the graph half ---------------------------------------------------------------------------------
@@ -216,7 +222,9 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
     for i, n in enumerate(placeholders):
         if names[i] is not None:
             param_of[n] = names[i]
-            if names[i] in split.owner:
+            if names[i] in split.tied:  # read where used, by every stage holding it (checked below)
+                kind[n], stage[n] = "param", None
+            elif names[i] in split.owner:
                 kind[n], stage[n] = "param", split.owner[names[i]]
             else:
                 kind[n], stage[n] = "buffer", None
@@ -255,19 +263,36 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
     for a in output.all_input_nodes:
         if stage[a] is not None and stage[a] > S - 1:
             raise IRError("split_stages: output from beyond the last stage")
-    # parameters used off their owner stage
+    users_stage = _users_stage(nodes, stage, S)
+    # parameters used off their owner stage (a tied one: off the stages holding it)
     for n, pname in param_of.items():
         if kind[n] != "param":
             continue
         used = {stage[u] for u in n.users if u.op != "output"}
         used.discard(None)
-        bad = used - {stage[n]}
+        if pname in split.tied:
+            used = users_stage[n]
+        bad = used - set(split.tied.get(pname, (stage[n],)))
+        if bad and pname in split.tied:
+            raise UnsupportedFeatureError(
+                f"parameter {pname} is tied across pipeline stages {list(split.tied[pname])} (its names' stages), but "
+                f"stage(s) {sorted(bad)} read it too, which hold none of its names (their ranks release it); untie "
+                "the weights or use pp=1")
         if bad:
             user = next(u for u in n.users if stage[u] in bad)
             raise UnsupportedFeatureError(
                 f"parameter {pname} belongs to pipeline stage {stage[n]} but node {user.name} on stage "
                 f"{stage[user]} reads it (weights shared across stages, e.g. tied embeddings); untie them or use pp=1")
-    # free nodes that read a trained parameter cannot be recomputed elsewhere: give them its stage
+    out: dict[int, StageGraph] = {}
+    for s in range(S):
+        if keep is not None and s not in keep:
+            continue
+        out[s] = _build_stage(s, S, nodes, stage, kind, param_of, batch, placeholders, users_stage, output, root)
+    return out
+
+
+def _users_stage(nodes: list[fx.Node], stage: dict, S: int) -> dict[fx.Node, set[int]]:
+    """The stages that read each node, directly or through free nodes (recomputed where used)."""
     users_stage: dict[fx.Node, set[int]] = {}
     for n in reversed(nodes):
         if n.op == "output":
@@ -281,12 +306,7 @@ def split_graph(gm: fx.GraphModule, split: StageSplit, names: list[str | None], 
             else:
                 need |= users_stage.get(u, set())
         users_stage[n] = need
-    out: dict[int, StageGraph] = {}
-    for s in range(S):
-        if keep is not None and s not in keep:
-            continue
-        out[s] = _build_stage(s, S, nodes, stage, kind, param_of, batch, placeholders, users_stage, output, root)
-    return out
+    return users_stage
 
 
 def _params_behind(n: fx.Node, stage: dict, param_of: dict, kind: dict) -> list[str]:

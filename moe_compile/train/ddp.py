@@ -177,8 +177,12 @@ def bucket_layout(families: list[ParamFamily], rank: Callable[[nn.Parameter], in
 
 class MultiGroupDistributedDataParallel:
     def __init__(self, families: list[ParamFamily], bucket_bytes: int = 25 * 2**20,
-                 grad_dtype: torch.dtype | None = None, host_shm: bool = False) -> None:
+                 grad_dtype: torch.dtype | None = None, host_shm: bool = False,
+                 tied: list[tuple[nn.Parameter, dist.ProcessGroup, int]] = ()) -> None:
         self.families = families
+        # weights tied across pipeline stages: (parameter, its holders' group, their number), summed over the
+        # group after the reduction as a mean of gradients pre-scaled by the number (runtime/tied_weights.py)
+        self.tied = list(tied)
         # host_shm: reduce over host shared memory (CPU ranks of one host; collective over each family's group)
         self._shm = {f.name: HostShmReduction(f.group, f.name) for f in families if host_shm and f.group is not None}
         self.bucket_bytes = bucket_bytes
@@ -190,7 +194,9 @@ class MultiGroupDistributedDataParallel:
         # in-graph reduction: stable slot per parameter (graph nodes name parameters by slot)
         self.slots = [p for fam in families for p in fam.params if p.requires_grad]
         self._slot_of = {id(p): k for k, p in enumerate(self.slots)}
-        self._pre_scale = [fam.pre_scale for fam in families for p in fam.params if p.requires_grad]
+        tied_n = {id(p): n for p, _, n in self.tied}
+        self._pre_scale = [fam.pre_scale * tied_n.get(id(p), 1) for fam in families for p in fam.params
+                           if p.requires_grad]
         self._names: list[str] = [f"parameter {k}" for k in range(len(self.slots))]
         self._rank: dict[int, int] = {}  # slot → position in the compiled backwards' production order
         self._claimed: set[int] = set()  # slots some compiled backward reduces in graph
@@ -431,6 +437,11 @@ class MultiGroupDistributedDataParallel:
             if b.scale != 1.0:
                 (b.flat if b.shards is None else b.shards.out).mul_(b.scale)
             b.ready.clear()
+        for p, group, n in self.tied:  # every holder's part summed (mean of parts pre-scaled by n)
+            b, i = self._where[id(p)]
+            g = b.view(i) if b.shards is None else b.shards.owned(i)
+            dist.all_reduce(g, group=group)
+            g.div_(n)
         self._next = 0
         self._task = None
 

@@ -21,7 +21,8 @@ checkpoint-view DTensors as they stand: topology-portable, no rank holding a ful
                     reduce_scatter_tensor is 1.25–1.6× slower than its all_reduce at 1–32 MB on 2
                     and 4 CPU ranks (measured), so the all-reduce wins there; NCCL's reduce-scatter
                     moves half an all-reduce's bytes.
-        norm²       = Σ over all ranks of Σ grad²  — every logical element is owned by exactly one rank
+        norm²       = Σ over all ranks of Σ grad²  — every logical element is owned by exactly one rank (a
+                      weight tied across pipeline stages: by one rank of each of its holder groups, the first)
                       (dense: one of dp×cp; expert: one of ep_dp, and ep_mp ranks own distinct shards)
         non-finite  → log, count, return skipped (nothing applied; the caller's zero_grad drops them)
         clip        grad *= min(1, max_norm / (norm + 1e-6))          (as torch clip_grad_norm_)
@@ -260,8 +261,12 @@ class OLMoDDPOptimizer:
     def global_grad_norm(self) -> float:
         """L2 norm of the whole model's gradient, each logical parameter counted once. Collective."""
         sq = torch.zeros((), dtype=torch.float64)
+        copies = self.cm.program.tied_copies  # a weight tied across stages counts on its first holder only
         for f in self.families:
             sq += f.grad.double().pow(2).sum()
+            for s in f.slots:
+                if s.name in copies:
+                    sq -= f.grad[s.off: s.off + s.owned].double().pow(2).sum()
         if self.cm.groups is not None and dist.get_world_size() > 1:
             dist.all_reduce(sq)
         return math.sqrt(sq.item())  # nan stays nan: step() skips non-finite gradients
