@@ -199,6 +199,8 @@ def _families_parser(sub) -> None:
     p.add_argument("--list", action="store_true", help="only list the families, compile nothing")
     p.add_argument("--router-logits", action="store_true",
                    help="with output_router_logits=True where the config has it: the load-balancing aux_loss compared too")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline microbatches of each step at pp > 1 (default: pp); the step is cm.train_step")
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -221,7 +223,8 @@ def cmd_families(args: argparse.Namespace) -> int:
         print(f"moe-compile families: {e}", file=sys.stderr)
         return 2
     try:
-        results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, args.router_logits, timeout=24 * 3600)[0]
+        results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, args.router_logits, args.microbatches,
+                              timeout=24 * 3600)[0]
     except RankFailure as e:
         print(f"moe-compile families failed: {e}", file=sys.stderr)
         return 1

@@ -87,11 +87,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1, tol: float = TOL,
-                 **config_overrides) -> FamilyResult:
+                 microbatches: int | None = None, **config_overrides) -> FamilyResult:
     """Compile one family's tiny random model on ``mesh`` and compare it with the dense model.
 
     Call on every rank of an initialised world (or in one process for a one-rank mesh); every rank
-    returns its own result (each compares its own loss and the reduced gradients)."""
+    returns its own result (each compares its own loss and the reduced gradients). Each data-parallel
+    replica runs its own batch; the ranks of one CP group and of one pipeline pass the same one (they
+    shard it). At pp > 1 the step is ``cm.train_step`` over ``microbatches`` (default pp) microbatches,
+    and the dense reference the mean of the microbatches' losses (equal token counts: the batch mean,
+    aux losses per microbatch as the schedule computes them)."""
     from . import MeshSpec, moe_compile
     from .models.hf import tiny_family_model
 
@@ -101,23 +105,32 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
         return FamilyResult(family, status, message, seconds=time.perf_counter() - t0, **kw)
 
     try:
+        spec = MeshSpec.parse(mesh).resolve(world)
+        m = (microbatches or spec.pp) if spec.pp > 1 else 1
+        replica = spec.dense_coords(rank)[1]  # this rank's data-parallel replica: its batch
         model = tiny_family_model(family, **config_overrides)
         paths = tuple(n for n, _ in model.named_modules() if n)
-        batches = _batches(world, model.config.get_text_config().vocab_size)
+        batches = _batches(spec.dp, model.config.get_text_config().vocab_size, batch=max(2, m))
         ref, pristine = copy.deepcopy(model), copy.deepcopy(model)
-        ref_outs = [ref(input_ids=b, labels=b) for b in batches]
-        ref_losses = [o.loss for o in ref_outs]
+        ref_outs = [[ref(input_ids=x, labels=x) for x in b.chunk(m)] for b in batches]
+        ref_losses = [sum(o.loss for o in outs) / m for outs in ref_outs]
         torch.stack(ref_losses).mean().backward()
         ref_grads = _grads(ref)
         del ref
     except Exception as e:  # noqa: BLE001 - reported as the family's outcome
         return result("crash", f"tiny config / dense model: {_first_line(e)}")
     cm = None
+    b = batches[replica]
     try:
-        cm = moe_compile(model, MeshSpec.parse(mesh).resolve(world))
+        cm = moe_compile(model, spec, **({"microbatches": m} if spec.pp > 1 else {}))
         blocks = list(cm.program.blocks)  # the module paths moe_compile rewrote
-        out = cm(input_ids=batches[rank], labels=batches[rank])
-        out.loss.backward()
+        if spec.pp > 1:  # cm(...) is forward-only evaluation on a pipeline: train_step runs the schedule
+            out = None
+            loss = cm.train_step(input_ids=b, labels=b)
+        else:
+            out = cm(input_ids=b, labels=b)
+            out.loss.backward()
+            loss = out.loss
         grads = cm.full_grads()
     except MoECompileError as e:
         return result("error", f"{type(e).__name__}: {e}", module_paths=paths)
@@ -128,9 +141,9 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     finally:
         if cm is not None:
             cm.close()
-    ref_loss = ref_losses[rank].item()
-    loss_err = abs(out.loss.item() - ref_loss) / max(1.0, abs(ref_loss))
-    ref_aux = getattr(ref_outs[rank], "aux_loss", None)
+    ref_loss = ref_losses[replica].item()
+    loss_err = abs(loss.item() - ref_loss) / max(1.0, abs(ref_loss))
+    ref_aux = getattr(ref_outs[replica][0], "aux_loss", None) if m == 1 else None  # train_step returns the loss only
     if isinstance(ref_aux, torch.Tensor):  # output_router_logits: the load-balancing loss on its own
         aux = getattr(out, "aux_loss", None)
         if not isinstance(aux, torch.Tensor):
@@ -143,7 +156,7 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     ok = loss_err <= tol and grad_err <= tol
     msg = f"loss err {loss_err:.1e}, grad err {grad_err:.1e} ({worst})"
     if loss_err <= tol and not ok:
-        ok, note = _fp64_parity(pristine, batches, grads, ref_grads, tol, blocks)
+        ok, note = _fp64_parity(pristine, [x for b in batches for x in b.chunk(m)], grads, ref_grads, tol, blocks)
         msg += f"; {note}"
     return result("compiled" if ok else "wrong", msg, loss_err=loss_err, grad_err=grad_err, worst=worst,
                   module_paths=paths)
@@ -216,7 +229,7 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
 
 
 def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1,
-          progress=None, router_logits: bool = False) -> list[FamilyResult]:
+          progress=None, router_logits: bool = False, microbatches: int | None = None) -> list[FamilyResult]:
     """:func:`check_family` for every family (default: all of :func:`moe_families`), in order.
     ``router_logits``: with ``output_router_logits=True`` on the families whose config has the flag."""
     from .models.hf import tiny_family_config
@@ -231,19 +244,19 @@ def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 
                 cfg = None
             if cfg is not None and hasattr(cfg, "output_router_logits"):
                 overrides["output_router_logits"] = True
-        out.append(check_family(f, mesh, rank, world, **overrides))
+        out.append(check_family(f, mesh, rank, world, microbatches=microbatches, **overrides))
         if progress is not None:
             progress(out[-1])
     return out
 
 
 def sweep_worker(rank: int, world: int, families: list[str] | None, mesh: str,
-                 router_logits: bool = False) -> list[FamilyResult]:
+                 router_logits: bool = False, microbatches: int | None = None) -> list[FamilyResult]:
     """For :func:`moe_compile.runtime.launcher.spawn_ranks`: one rank of a sweep."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return sweep(families, mesh, rank, world, router_logits=router_logits)
+    return sweep(families, mesh, rank, world, router_logits=router_logits, microbatches=microbatches)
 
 
 def format_table(results: list[FamilyResult]) -> str:
