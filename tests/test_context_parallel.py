@@ -370,6 +370,31 @@ def test_cp2_sliding_window_attention():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
 
+def mixed_batches_worker(rank: int, world: int) -> list:
+    """cp=2, forward only: rank 1 passes another batch than rank 0 (a loader sharded by global rank)."""
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    cm = moe_compile(_model("olmoe"), spec)
+    b = make_batches(2, 2, 16, seed=4)[rank]
+    out = []
+    try:
+        cm(input_ids=b, labels=b)
+    except OptionError as e:
+        out.append(str(e))
+    same = make_batches(2, 2, 16, seed=4)[0]
+    out.append(cm(input_ids=same, labels=same).loss.item())  # the next call runs
+    cm.close()
+    return out
+
+
+def test_cp_forward_refuses_different_batches_in_a_cp_group():
+    """cm(...) at cp=2 with a different batch on each rank attended across the two sequences and returned a
+    loss of a mix of them, without an error (train_step compared batches; a plain forward did not)."""
+    results = run_ranks(mixed_batches_worker, 2)
+    for r in results:
+        assert "the ranks of this context-parallel group passed different batches" in r[0], r
+    assert results[0][1] == results[1][1]
+
+
 def test_context_parallel_bad_input_is_a_clear_error():
     for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs
