@@ -395,6 +395,74 @@ def test_cp_forward_refuses_different_batches_in_a_cp_group():
     assert results[0][1] == results[1][1]
 
 
+def no_positions_worker(rank: int, world: int) -> dict:
+    """cp=2: Nemotron-H (NoPE attention: reads no position ids) against the dense model; Qwen3-MoE with the
+    position_ids it is given dropped (transformers then makes them from the length it sees, the shard's)."""
+    from moe_compile.models.hf import tiny_family_model
+
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    out = {}
+    model = tiny_family_model("nemotron_h", seed=0)
+    b = make_batches(1, 2, 16, seed=6)[0] % model.config.vocab_size
+    ref = copy.deepcopy(model)
+    want = ref(input_ids=b, labels=b)
+    want.loss.backward()
+    cm = moe_compile(model, spec)
+    got = cm(input_ids=b, labels=b)
+    got.loss.backward()
+    grads, ref_grads = cm.full_grads(), grads_of(ref)
+    out["nope"] = (got.loss.item(), want.loss.item(), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+    cm.close()
+    model = tiny_family_model("qwen3_moe", seed=0)
+    inner = model.model.forward
+    model.model.forward = lambda *a, position_ids=None, **kw: inner(*a, **kw)
+    cm = moe_compile(model, spec)
+    try:
+        cm(input_ids=b, labels=b)
+    except UnsupportedFeatureError as e:
+        out["refused"] = str(e)
+    cm.close()
+    biased = _model("tiny")  # attention with an additive bias (ALiBi-like) through SDPA's attn_mask
+    attn = biased.layers[0].attn
+
+    def with_bias(x):
+        bsz, s, d = x.shape
+        q, k, v = attn.qkv(x).view(bsz, s, 3, attn.n_heads, d // attn.n_heads).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, dtype=x.dtype)
+        bias = (-(i[:, None] - i[None, :]).abs()).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return attn.proj(o.transpose(1, 2).reshape(bsz, s, d))
+
+    attn.forward = with_bias
+    cm = moe_compile(biased, spec)
+    try:
+        cm(input_ids=b, labels=b)
+    except UnsupportedFeatureError as e:
+        out["bias"] = str(e)
+    cm.close()
+    cm = moe_compile(tiny_family_model("gpt_oss", seed=0), spec)
+    try:  # attention sinks: no SDPA form in transformers (the advice to use SDPA could not be followed)
+        cm(input_ids=b % 200, labels=b % 200)
+    except UnsupportedFeatureError as e:
+        out["sinks"] = str(e)
+    cm.close()
+    return out
+
+
+def test_cp2_models_without_position_ids():
+    """Refused before: a model that reads no position ids (NoPE attention, as Nemotron-H's) is exact under
+    CP; the causal mask takes the shard's global positions. One that makes positions from the length it
+    sees is still refused, naming the arange; GPT-OSS's attention sinks are refused naming the module (the
+    message told users to run attention through SDPA, which transformers has no form of for it); an additive
+    float mask given to SDPA (a bias the whole sequence's causal mask replaced, silently) is refused."""
+    for out in run_ranks(no_positions_worker, 2):
+        got, want, err = out["nope"]
+        assert abs(got - want) <= TOL * abs(want) and err <= TOL, out
+        assert "reads none and makes positions from the length it sees (arange(8)" in out["refused"], out
+        assert out["sinks"].startswith("model.layers.0.self_attn: attention with sinks"), out
+        assert out["bias"].startswith("layers.0.attn: attention with an additive torch.float32 mask"), out
+
+
 def test_context_parallel_bad_input_is_a_clear_error():
     for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs

@@ -112,6 +112,8 @@ def _tiny_kwargs(cls, experts: int, top_k: int) -> dict:
     names = _fields(cls)
     default = cls()
     kw = {k: v for k, v in _SIZES.items() if k in names}
+    if "sliding_window" in kw and _default_attr(default, "sliding_window") is None:
+        del kw["sliding_window"]  # a window is shrunk, not added: Mixtral's, PhiMoE's, Doge's default is none
     kw.update({k: experts for k in EXPERT_COUNT_FIELDS if k in names})
     kw.update({k: top_k for k in TOPK_FIELDS if k in names})
     for g, tg in _GROUP_FIELDS:  # keep group-limited routing, at a size 8 experts allow: 4 groups, best 2

@@ -74,7 +74,16 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     if not attn:
         soft = next((n for n in nodes if n.op in ("call_function", "call_method") and "softmax" in str(n.target)
                      and "attn" in _where(n).lower()), None)
-        where = f" ({_where(soft)})" if soft is not None else ""
+        sinks = next((n for n in nodes if n.op in ("placeholder", "get_attr")
+                      and re.search(r"(?:^|_)sinks_?$", str(n.target if n.op == "get_attr" else n.name))), None)
+        if sinks is not None:  # gpt-oss, GraniteMoE-SWA, MiMo-V2-Flash, Flint: transformers has no SDPA path for them
+            user = next(iter(sinks.users), sinks)
+            raise UnsupportedFeatureError(
+                f"{module_path(user) or _where(user)}: attention with sinks (a learned per-head logit beside the keys; "
+                f"the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention form) under "
+                f"context parallelism (cp={cp}): only SDPA attention is sharded (K/V gathered over the CP group); "
+                "use cp=1")
+        where = f" ({module_path(soft) or _where(soft)})" if soft is not None else ""
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
             f"none{where}: run the model's attention through SDPA (transformers: attn_implementation='sdpa')")
@@ -83,21 +92,15 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     if len(pos) > 1:
         raise UnsupportedFeatureError(f"context parallelism (cp={cp}): the captured graph takes {len(pos)} position "
                                       "id inputs; expected one")
+    synthesized, shard = not pos, int(_arg(attn[0], 0).meta["val"].shape[-2])
     if pos:
         pos = pos[0]
-    elif prog.pipeline_stage > 0:  # a later pipeline stage reads no position ids: the shard's own, as constants
-        q0 = _arg(attn[0], 0)
-        seq = int(q0.meta["val"].shape[-2]) * cp
+    else:  # a later pipeline stage, or a model without positions (NoPE: Nemotron-H, granitemoehybrid with
+        # position_embedding_type=None): the shard's own global positions, as constants, for the causal mask.
+        # One that makes positions from the shard's length instead is refused below, after the rewrite.
         with g.inserting_before(attn[0]):
-            pos = g.call_function(torch.ops.moe_cp.positions.default, (q0, seq, cp, prog.cp_rank))
+            pos = g.call_function(torch.ops.moe_cp.positions.default, (_arg(attn[0], 0), shard * cp, cp, prog.cp_rank))
         propagate_fake([pos])
-    else:
-        raise UnsupportedFeatureError(
-            f"context parallelism (cp={cp}) feeds each shard's global position ids to the model as position_ids, "
-            "but the captured graph reads none: the model's forward must accept position_ids and use them. A model "
-            "that reads no positions (no position embeddings, e.g. granitemoehybrid with position_embedding_type="
-            "None) is refused too: from the graph it cannot be told from one that makes its own positions from the "
-            "shard's length, which would be wrong")
     seq = int(_arg(attn[0], 1).meta["val"].shape[-2]) * cp
     pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
     masks: dict[tuple[bool, int], fx.Node] = {}  # (the model made the mask, window) → the CP mask; built once
@@ -123,7 +126,17 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             raise UnsupportedFeatureError(f"{_where(n)}: attention dropout {dropout} under context parallelism"
                                           f"{user_line(n)}")
         q, k, v = _arg(n, 0), _arg(n, 1), _arg(n, 2)
-        model_made = _arg(n, 3) is not None
+        given = _arg(n, 3)
+        val = given.meta.get("val") if isinstance(given, fx.Node) else None
+        if n.target in SDPA and isinstance(val, torch.Tensor) and val.is_floating_point():
+            # transformers' SDPA masks are boolean: an additive one may carry a bias (ALiBi, a learned or dynamic
+            # mask) that the whole sequence's causal mask would silently drop
+            raise UnsupportedFeatureError(
+                f"{module_path(n) or _where(n)}: attention with an additive {val.dtype} mask under context parallelism "
+                f"(cp={cp}): it may carry a bias over the shard's keys, which the sharded attention cannot rebuild "
+                f"over the whole sequence (it makes boolean causal, padding, packing and window masks){user_line(n)}; "
+                "use cp=1")
+        model_made = given is not None
         causal = model_made or bool(_arg(n, 5, False))
         sdim = len(k.meta["val"].shape) - 2
         mask = mask_for(model_made, _window(n, prog.cp_windows), n) if causal else None
@@ -154,8 +167,29 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         n.replace_all_uses_with(out)
         g.erase_node(n)
     g.eliminate_dead_code(is_impure_node=_keeps)
+    if synthesized:
+        _refuse_length_positions(g, shard, prog, cp)
     gm.recompile()
     return gm
+
+
+def _refuse_length_positions(g: fx.Graph, shard: int, prog, cp: int) -> None:
+    """A graph that reads no position_ids (its causal mask now takes the shard's global positions) must not
+    make positions of its own from the length it sees: an ``arange`` over the shard's length that is still
+    used once the model's own masks are replaced (RoPE or a position embedding from 0 … S/cp − 1 on every
+    rank). Those in the modules cp_shard_positions rewrites (Llama 4's temperature tuning) are left to it."""
+    from .cp_positions import ARANGE, _length, _owner
+
+    for n in g.nodes:
+        if n.op != "call_function" or n.target not in ARANGE or _length(n) != shard or not n.users:
+            continue
+        if _owner(module_path(n), prog.cp_length_positions) is not None:
+            continue
+        raise UnsupportedFeatureError(
+            f"{module_path(n) or _where(n)}: context parallelism (cp={cp}) feeds each shard's global position ids "
+            f"to the model as position_ids, but the captured graph reads none and makes positions from the length "
+            f"it sees (arange({shard}), this rank's shard only){user_line(n)}: the model's forward must accept "
+            "position_ids and use them, or use cp=1")
 
 
 def _window(n: fx.Node, windows: dict[str, int]) -> int:
