@@ -291,6 +291,19 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     return msgs, (whole, as_tuple, want, given)
 
 
+def against_dense(model: nn.Module, spec, **batch) -> tuple[float, float, float]:
+    """(loss, the dense model's loss, worst gradient error) of one compiled forward and backward."""
+    ref = copy.deepcopy(model)
+    want = ref(**batch)
+    want.loss.backward()
+    cm = moe_compile(model, spec)
+    got = cm(**batch)
+    got.loss.backward()
+    grads, ref_grads = cm.full_grads(), grads_of(ref)
+    cm.close()
+    return got.loss.item(), want.loss.item(), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)
+
+
 def masks_worker(rank: int, world: int) -> dict:
     """cp=2: padded and packed batches of OLMoE with its load-balancing loss, against the dense model."""
     spec = MeshSpec.parse("cp=2").resolve(world)
@@ -307,17 +320,8 @@ def masks_worker(rank: int, world: int) -> dict:
              "packed_with_a_cache": {"position_ids": packed}}
     out = {}
     for case, kw in cases.items():
-        model = _model("olmoe_aux")
         labels = b.masked_fill(kw.get("attention_mask", torch.ones_like(b)) == 0, -100)
-        ref = copy.deepcopy(model)
-        want = ref(input_ids=b, labels=labels, **kw)
-        want.loss.backward()
-        cm = moe_compile(model, spec)
-        got = cm(input_ids=b, labels=labels, **kw)
-        got.loss.backward()
-        grads, ref_grads = cm.full_grads(), grads_of(ref)
-        out[case] = (got.loss.item(), want.loss.item(), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
-        cm.close()
+        out[case] = against_dense(_model("olmoe_aux"), spec, input_ids=b, labels=labels, **kw)
     return out
 
 
@@ -348,15 +352,7 @@ def window_worker(rank: int, world: int) -> dict:
         model = tiny_family_model(family, seed=0, sliding_window=4)
         x = b % model.config.vocab_size
         labels = x.masked_fill(kw.get("attention_mask", torch.ones_like(x)) == 0, -100)
-        ref = copy.deepcopy(model)
-        want = ref(input_ids=x, labels=labels, use_cache=False, **kw)
-        want.loss.backward()
-        cm = moe_compile(model, spec)
-        got = cm(input_ids=x, labels=labels, use_cache=False, **kw)
-        got.loss.backward()
-        grads, ref_grads = cm.full_grads(), grads_of(ref)
-        out[case] = (got.loss.item(), want.loss.item(), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
-        cm.close()
+        out[case] = against_dense(model, spec, input_ids=x, labels=labels, use_cache=False, **kw)
     return out
 
 
@@ -404,24 +400,22 @@ def no_positions_worker(rank: int, world: int) -> dict:
     out = {}
     model = tiny_family_model("nemotron_h", seed=0)
     b = make_batches(1, 2, 16, seed=6)[0] % model.config.vocab_size
-    ref = copy.deepcopy(model)
-    want = ref(input_ids=b, labels=b)
-    want.loss.backward()
-    cm = moe_compile(model, spec)
-    got = cm(input_ids=b, labels=b)
-    got.loss.backward()
-    grads, ref_grads = cm.full_grads(), grads_of(ref)
-    out["nope"] = (got.loss.item(), want.loss.item(), max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
-    cm.close()
+    out["nope"] = against_dense(model, spec, input_ids=b, labels=b)
+
+    def refusal(model: nn.Module, batch: torch.Tensor) -> str | None:
+        cm = moe_compile(model, spec)
+        try:
+            cm(input_ids=batch, labels=batch)
+        except UnsupportedFeatureError as e:
+            return str(e)
+        finally:
+            cm.close()
+        return None
+
     model = tiny_family_model("qwen3_moe", seed=0)
     inner = model.model.forward
     model.model.forward = lambda *a, position_ids=None, **kw: inner(*a, **kw)
-    cm = moe_compile(model, spec)
-    try:
-        cm(input_ids=b, labels=b)
-    except UnsupportedFeatureError as e:
-        out["refused"] = str(e)
-    cm.close()
+    out["refused"] = refusal(model, b)
     biased = _model("tiny")  # attention with an additive bias (ALiBi-like) through SDPA's attn_mask
     attn = biased.layers[0].attn
 
@@ -434,18 +428,9 @@ def no_positions_worker(rank: int, world: int) -> dict:
         return attn.proj(o.transpose(1, 2).reshape(bsz, s, d))
 
     attn.forward = with_bias
-    cm = moe_compile(biased, spec)
-    try:
-        cm(input_ids=b, labels=b)
-    except UnsupportedFeatureError as e:
-        out["bias"] = str(e)
-    cm.close()
-    cm = moe_compile(tiny_family_model("gpt_oss", seed=0), spec)
-    try:  # attention sinks: no SDPA form in transformers (the advice to use SDPA could not be followed)
-        cm(input_ids=b % 200, labels=b % 200)
-    except UnsupportedFeatureError as e:
-        out["sinks"] = str(e)
-    cm.close()
+    out["bias"] = refusal(biased, b)
+    # attention sinks: no SDPA form in transformers (the advice to use SDPA could not be followed)
+    out["sinks"] = refusal(tiny_family_model("gpt_oss", seed=0), b % 200)
     return out
 
 
