@@ -354,6 +354,8 @@ def _same_batch_in_cp_group(batch: dict[str, Any], group, device: torch.device) 
     ranks meet in the K/V all-gathers of this forward anyway); every rank of the group raises alike."""
     from .runtime.batch_agreement import _same_batch_mismatch
 
+    if device.type == "meta" or any(isinstance(v, torch.Tensor) and v.is_meta for v in batch.values()):
+        return  # explain's plan: meta batches hold no values to compare (and its ranks are simulated)
     differs, why = _same_batch_mismatch(batch, [group], device)
     if bool(differs):
         raise OptionError("forward: the ranks of this context-parallel group passed different batches; every rank "

@@ -176,8 +176,8 @@ def test_debug_dumps_render_before_and_after_pictures(tmp_path):
     ids = make_batches(1)[0]
     with torch.no_grad():
         cm(input_ids=ids)
-    after = tmp_path / "fwd_03_insert_dispatch_combine_after"
-    before = tmp_path / "fwd_03_insert_dispatch_combine_before"
+    after = tmp_path / "fwd_04_insert_dispatch_combine_after"
+    before = tmp_path / "fwd_04_insert_dispatch_combine_before"
     text = after.with_suffix(".py").read_text()
     added, removed = text.splitlines()[1:3]
     assert added.startswith("# nodes added: [") and "'dispatch_default:dispatch'" in added
@@ -246,7 +246,7 @@ def test_debug_pictures_without_dot_write_sources_and_warn_once(tmp_path, no_dot
     with pytest.warns(UserWarning, match="`dot` program") as caught, torch.no_grad():
         cm(input_ids=ids)
     assert len([w for w in caught if "`dot` program" in str(w.message)]) == 1
-    after = tmp_path / "dbg" / "fwd_03_insert_dispatch_combine_after"
+    after = tmp_path / "dbg" / "fwd_04_insert_dispatch_combine_after"
     assert after.with_suffix(".py").exists() and "moe-dispatch" in after.with_suffix(".dot").read_text()
     assert not list((tmp_path / "dbg").glob("*.svg"))
     cm.close()
@@ -265,5 +265,5 @@ def test_debug_dumps_of_several_ranks_go_to_their_own_subdirectories(tmp_path):
 
     run_ranks(debug_dir_worker, 2, str(tmp_path))
     for r in range(2):
-        assert (tmp_path / f"rank{r}" / "fwd_03_insert_dispatch_combine_after.py").exists(), sorted(tmp_path.iterdir())
+        assert (tmp_path / f"rank{r}" / "fwd_04_insert_dispatch_combine_after.py").exists(), sorted(tmp_path.iterdir())
     assert not list(tmp_path.glob("*.py"))
