@@ -105,18 +105,25 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
     masks: dict[tuple[bool, int], fx.Node] = {}  # (the model made the mask, window) → the CP mask; built once
 
+    gathered: dict[str, fx.Node] = {}  # position ids / padding mask gathered over the group: once per graph
+
+    def gather(name: str, x: fx.Node, at: fx.Node) -> fx.Node:
+        if name not in gathered:
+            with g.inserting_before(at):
+                gathered[name] = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 1, prog.ctx_id, cp))
+            propagate_fake([gathered[name]])
+        return gathered[name]
+
     def mask_for(model_made: bool, window: int, at: fx.Node) -> fx.Node:
         if (model_made, window) not in masks:  # before its first user (attention nodes come in graph order)
+            kpos = gather("pos", pos, at)
+            kvalid = gather("pad", pad, at) if model_made and pad is not None else None
+            # transformers packs sequences by restarting position ids only when no attention_mask is given
+            packed = model_made and pad is None and pos.op == "placeholder"
             with g.inserting_before(at):
-                kpos = g.call_function(torch.ops.moe_cp.all_gather.default, (pos, 1, prog.ctx_id, cp))
-                kvalid = None
-                if model_made and pad is not None:
-                    kvalid = g.call_function(torch.ops.moe_cp.all_gather.default, (pad, 1, prog.ctx_id, cp))
-                # transformers packs sequences by restarting position ids only when no attention_mask is given
-                packed = model_made and pad is None and pos.op == "placeholder"
                 mask = g.call_function(torch.ops.moe_cp.causal_mask.default,
                                        (kpos, kvalid, seq, cp, prog.cp_rank, packed, window))
-            propagate_fake([a for a in (kpos, kvalid, mask) if a is not None])
+            propagate_fake([mask])
             masks[(model_made, window)] = mask
         return masks[(model_made, window)]
 

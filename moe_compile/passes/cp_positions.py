@@ -58,6 +58,7 @@ def cp_shard_positions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     g = gm.graph
     nodes = list(g.nodes)
     like = next((n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)), None)
+    shard = _seq_len(nodes)
     seen: dict[str, int] = {}  # listed module → the shard length its aranges took (0: none)
     for n in nodes:
         owner = _owner(module_path(n), listed)
@@ -67,7 +68,7 @@ def cp_shard_positions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if n.op != "call_function" or n.target not in ARANGE or like is None:
             continue
         s = _length(n)
-        if s is None:
+        if s != shard:  # positions over the shard's tokens only (another length is not a position range)
             continue
         with g.inserting_before(n):
             pos = g.call_function(torch.ops.moe_cp.positions.default, (like, s * cp, cp, prog.cp_rank))
@@ -84,7 +85,7 @@ def cp_shard_positions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for owner, s in seen.items():
         if s:
             continue
-        seq = _seq_len(nodes) * cp
+        seq = shard * cp
         if seq > listed[owner]:
             raise UnsupportedFeatureError(
                 f"{owner}: context parallelism (cp={cp}) gives each rank its shard's global position_ids, but this "
