@@ -80,12 +80,13 @@ class CompiledMoE(nn.Module):
 
             if args:
                 raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
+            from .runtime.batch_agreement import same_batch_in_cp_group
             from .runtime.cp_balance_loss import check_balance_loss, whole_sequence_balance_loss
 
             cp = self.program.mesh.cp
             check_balance_loss(self.model, kwargs)
             shard = shard_batch(kwargs, cp, self.groups.cp_rank)
-            _same_batch_in_cp_group(kwargs, self.groups.cp, next(self.model.parameters()).device)
+            same_batch_in_cp_group(kwargs, self.groups.cp, next(self.model.parameters()).device)
             as_tuple = shard.get("return_dict") is False  # run as a ModelOutput: its fields are found by name
             if as_tuple:
                 shard["return_dict"] = True
@@ -346,18 +347,3 @@ class CompiledMoE(nn.Module):
         if self.ddp is not None:
             self.ddp.close()
 
-
-def _same_batch_in_cp_group(batch: dict[str, Any], group, device: torch.device) -> None:
-    """cm(...) at cp > 1: every rank of the CP group must pass the same batch (each keeps its shard of it);
-    different ones (a loader sharded by global rank) attended across sequences and returned a loss and
-    gradients of a mix of them, without an error. One all-reduce of two int64 over the CP group (whose
-    ranks meet in the K/V all-gathers of this forward anyway); every rank of the group raises alike."""
-    from .runtime.batch_agreement import _same_batch_mismatch
-
-    if device.type == "meta" or any(isinstance(v, torch.Tensor) and v.is_meta for v in batch.values()):
-        return  # explain's plan: meta batches hold no values to compare (and its ranks are simulated)
-    differs, why = _same_batch_mismatch(batch, [group], device)
-    if bool(differs):
-        raise OptionError("forward: the ranks of this context-parallel group passed different batches; every rank "
-                          "of one CP group passes the same batch (shard the data by data-parallel replica, not by "
-                          "global rank)" + (f" ({why})" if why else ""))

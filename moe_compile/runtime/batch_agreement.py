@@ -12,7 +12,8 @@ So each rank makes its own checks first (``err``: an OptionError or None), then 
 an OptionError before anything runs — the refusing rank its own message, the others naming it — and the
 next step starts clean on every rank. Cost: one all-reduce of 4 int64 and one host read per train_step
 (on a GPU the read waits for the work already queued, once per step, before the step's first kernel).
-``cm(...)`` alone (forward only, or the user's own loop) is not agreed: it refuses on the host, locally.
+``cm(...)`` alone (forward only, or the user's own loop) is not agreed: it refuses on the host, locally;
+at cp > 1 it compares the CP group's batches (``same_batch_in_cp_group``, one all-reduce of two int64).
 
 Every rank of one pipeline and of one CP group must pass the same batch (the stages and the shards cut
 one batch). A data loader sharded by global rank instead of by data-parallel replica gave them different
@@ -127,3 +128,17 @@ def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | N
     raise OptionError(f"{where}: the ranks of{mine_differ} pipeline or context-parallel group passed different "
                       "batches; every rank of one pipeline and of one CP group passes the same batch (shard the "
                       f"data by data-parallel replica, not by global rank){_SUFFIX}")
+
+
+def same_batch_in_cp_group(batch: dict[str, Any], group, device: torch.device) -> None:
+    """cm(...) at cp > 1: every rank of the CP group must pass the same batch (each keeps its shard of it);
+    different ones (a loader sharded by global rank) attended across sequences and returned a loss and
+    gradients of a mix of them, without an error. One all-reduce of two int64 over the CP group (whose
+    ranks meet in the K/V all-gathers of this forward anyway); every rank of the group raises alike."""
+    if device.type == "meta" or any(isinstance(v, torch.Tensor) and v.is_meta for v in batch.values()):
+        return  # explain's plan: meta batches hold no values to compare (and its ranks are simulated)
+    differs, why = _same_batch_mismatch(batch, [group], device)
+    if bool(differs):
+        raise OptionError("forward: the ranks of this context-parallel group passed different batches; every rank "
+                          "of one CP group passes the same batch (shard the data by data-parallel replica, not by "
+                          "global rank)" + (f" ({why})" if why else ""))
