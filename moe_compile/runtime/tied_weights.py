@@ -41,7 +41,7 @@ def tied_weights(model: nn.Module, tied: dict[str, tuple[int, ...]], spec, group
     aliases: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        if n in tied:
+        if n in tied and p.requires_grad:  # a frozen one has no gradient to sum
             aliases.setdefault(id(p), []).append(n)
             params[id(p)] = p
     pipes = _groups_along(spec.dense_mesh_tensor(), (0,))
