@@ -645,9 +645,10 @@ def check_pp_cp(results) -> None:
 def test_pipeline_with_context_parallelism():
     """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM, OLMoE and Llama 4
     with attention temperature tuning (a NoPE layer on each stage: the later stage's positions come from
-    no graph input); then forward-only evaluation of the same batch: each rank's shard of the dense model's
+    no graph input) and Nemotron-H (NoPE; its later stage holds an MoE layer and no attention, refused as
+    "no SDPA" before); then forward-only evaluation of the same batch: each rank's shard of the dense model's
     logits and its loss."""
-    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe", "llama4_tuned")))
+    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe", "llama4_tuned", "family:nemotron_h")))
 
 
 def test_load_balancing_losses_under_pipeline_and_context_parallelism():

@@ -15,7 +15,8 @@ token index, padding keys masked (the batch's attention_mask, sharded like the t
 attention_mask, packed sequences kept apart where the position ids restart. A node with ``is_causal``
 and no mask of the model's gets the causal mask alone (the model ignored padding and packing), one with
 neither none (bidirectional). A graph with no SDPA node (the eager matmul-softmax form) or with dropout
-in attention is refused, naming the module. Sliding-window layers (api.cp_attention_windows: the config's
+in attention is refused, naming the module; a pipeline stage with no attention module at all (MoE and MLP
+layers only) is left as it is. Sliding-window layers (api.cp_attention_windows: the config's
 window on its sliding layers) get the window in the same mask, by global token index.
 
 ``moe-compile explain`` captures on the meta device with SDPA as the fused CPU kernel (what a rank
@@ -62,6 +63,19 @@ def _where(n: fx.Node) -> str:
     return str(list(stack.values())[-1][0]) if stack else n.name
 
 
+def _attention_modules(nodes: list[fx.Node]) -> set[str]:
+    """Paths of the attention modules the graph's nodes come from (class or attribute named for attention).
+    The model-level check (api._check_context_parallel) already refused every other token mixer a config
+    declares; a stage without attention modules and without SDPA has nothing to make whole."""
+    found = set()
+    for n in nodes:
+        for path, cls in (n.meta.get("nn_module_stack") or {}).values():
+            name = getattr(cls, "__name__", str(cls))
+            if "attention" in name.lower() or re.search(r"(?:^|[._])(self_)?attn(?:$|[._])", str(path)):
+                found.add(str(path))
+    return found
+
+
 @moe_pass(requires=Stage.DENSE, ensures=Stage.DENSE)
 def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     prog = ctx.program
@@ -71,6 +85,9 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     g = gm.graph
     nodes = list(g.nodes)
     attn = [n for n in nodes if n.op == "call_function" and (n.target in SDPA or n.target in FUSED)]
+    if not attn and prog.mesh.pp > 1 and not _attention_modules(nodes):
+        _check_loss_inputs(nodes, prog.mesh, cp)
+        return gm  # a pipeline stage of MoE / MLP layers only (Nemotron-H's later stage): nothing mixes tokens
     if not attn:
         soft = next((n for n in nodes if n.op in ("call_function", "call_method") and "softmax" in str(n.target)
                      and "attn" in _where(n).lower()), None)
