@@ -80,13 +80,13 @@ class CompiledMoE(nn.Module):
 
             if args:
                 raise OptionError("under context parallelism pass the batch by keyword (input_ids=..., labels=...)")
-            from .runtime.batch_agreement import same_batch_in_cp_group
+            from .runtime.batch_agreement import same_batch_in_groups
             from .runtime.cp_balance_loss import check_balance_loss, whole_sequence_balance_loss
 
             cp = self.program.mesh.cp
             check_balance_loss(self.model, kwargs)
             shard = shard_batch(kwargs, cp, self.groups.cp_rank)
-            same_batch_in_cp_group(kwargs, self.groups.cp, next(self.model.parameters()).device)
+            same_batch_in_groups(kwargs, {"context-parallel": self.groups.cp}, next(self.model.parameters()).device)
             as_tuple = shard.get("return_dict") is False  # run as a ModelOutput: its fields are found by name
             if as_tuple:
                 shard["return_dict"] = True

@@ -431,6 +431,30 @@ def test_out_of_vocabulary_batch_stops_every_stage():
         assert r["loss_err"] <= TOL * 6 and r["grad_err"] <= TOL, (rank, r)
 
 
+def mixed_eval_batches_worker(rank: int, world: int) -> list:
+    """pp=2, forward-only evaluation: rank 1 (the last stage) passes another batch than rank 0."""
+    cm = moe_compile(_model("tiny", 2), MeshSpec.parse("pp=2").resolve(world), microbatches=2)
+    batches = make_batches(2, 2, 16, seed=4)
+    out = []
+    with torch.no_grad():
+        try:
+            cm(input_ids=batches[rank], labels=batches[rank])
+        except OptionError as e:
+            out.append(str(e))
+        out.append(cm(input_ids=batches[0], labels=batches[0]).loss.item())  # the next call runs
+    cm.close()
+    return out
+
+
+def test_pipeline_evaluation_refuses_different_batches_in_a_pipeline():
+    """cm(...) at pp > 1 (forward-only evaluation) ran stage 0 on rank 0's ids and the last stage's loss on
+    rank 1's labels, and returned that mix without an error (train_step compared batches, evaluation did not)."""
+    results = run_ranks(mixed_eval_batches_worker, 2, timeout=300)
+    for r in results:
+        assert "the ranks of this pipeline group passed different batches" in r[0], r
+    assert results[0][1] == results[1][1] and math.isfinite(results[0][1])
+
+
 def dropless_warmup_worker(rank: int, world: int) -> dict:
     """pp=2 × ep_mp=2, dropless: the rows each EP rank received, per stage, over two steps."""
     from moe_compile.runtime.dropless import find_dropless_state

@@ -13,7 +13,8 @@ an OptionError before anything runs — the refusing rank its own message, the o
 next step starts clean on every rank. Cost: one all-reduce of 4 int64 and one host read per train_step
 (on a GPU the read waits for the work already queued, once per step, before the step's first kernel).
 ``cm(...)`` alone (forward only, or the user's own loop) is not agreed: it refuses on the host, locally;
-at cp > 1 it compares the CP group's batches (``same_batch_in_cp_group``, one all-reduce of two int64).
+at cp > 1 or pp > 1 it compares the CP group's and the pipeline's batches (``same_batch_in_groups``, one
+all-reduce of two int64 per group).
 
 Every rank of one pipeline and of one CP group must pass the same batch (the stages and the shards cut
 one batch). A data loader sharded by global rank instead of by data-parallel replica gave them different
@@ -130,15 +131,19 @@ def agree_on_batch(model: nn.Module, batch: dict[str, Any], err: OptionError | N
                       f"data by data-parallel replica, not by global rank){_SUFFIX}")
 
 
-def same_batch_in_cp_group(batch: dict[str, Any], group, device: torch.device) -> None:
-    """cm(...) at cp > 1: every rank of the CP group must pass the same batch (each keeps its shard of it);
-    different ones (a loader sharded by global rank) attended across sequences and returned a loss and
-    gradients of a mix of them, without an error. One all-reduce of two int64 over the CP group (whose
-    ranks meet in the K/V all-gathers of this forward anyway); every rank of the group raises alike."""
+def same_batch_in_groups(batch: dict[str, Any], groups: dict[str, Any], device: torch.device) -> None:
+    """cm(...) at cp > 1 or pp > 1: every rank of a CP group and of a pipeline (``groups``: its name → process
+    group) must pass the same batch (each keeps its shard of it, each stage its part of the model);
+    different ones (a loader sharded by global rank) attended across sequences, or ran one rank's ids
+    through another's labels, and returned a loss (and gradients) of a mix of them, without an error. One
+    all-reduce of two int64 per group (whose ranks meet in this forward's collectives anyway); every rank
+    of the group raises alike."""
     if device.type == "meta" or any(isinstance(v, torch.Tensor) and v.is_meta for v in batch.values()):
         return  # explain's plan: meta batches hold no values to compare (and its ranks are simulated)
-    differs, why = _same_batch_mismatch(batch, [group], device)
+    names = [k for k, g in groups.items() if g is not None]
+    differs, why = _same_batch_mismatch(batch, [groups[k] for k in names], device)
     if bool(differs):
-        raise OptionError("forward: the ranks of this context-parallel group passed different batches; every rank "
-                          "of one CP group passes the same batch (shard the data by data-parallel replica, not by "
+        which = " or ".join(names)
+        raise OptionError(f"forward: the ranks of this {which} group passed different batches; every rank of one "
+                          f"{which} group passes the same batch (shard the data by data-parallel replica, not by "
                           "global rank)" + (f" ({why})" if why else ""))

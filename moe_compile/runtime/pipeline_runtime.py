@@ -449,6 +449,10 @@ class PipelineRuntime:
                               "labels=...); calling it directly is forward-only evaluation: use torch.no_grad()")
         cp = self.cm.program.mesh.cp
         share = None
+        from .batch_agreement import same_batch_in_groups
+
+        same_batch_in_groups(kwargs, {"pipeline": self.cm.groups.pp, "context-parallel": self.cm.groups.cp},
+                             next(self.cm.model.parameters()).device)
         if cp > 1:  # the shard's mean loss, weighted by its share of the batch's loss tokens
             from .context_parallel import shard_batch
             from .cp_balance_loss import check_balance_loss
