@@ -264,21 +264,26 @@ def _fused_attention():
     runs (aten::_scaled_dot_product_flash_attention_for_cpu; its meta kernel takes fewer K/V heads as they
     are). On the meta device SDPA takes its math path, which saves the [B, H, S, S] attention
     probabilities for backward, so M_saved and M_working grew with S² (1.7× the measured figures for the
-    tiny LM at S=256 on dp=2, ep_mp=2); the fused kernels on CPU and GPU (flash, efficient, cuDNN) save the output and the
-    log-sum-exp. Dropout keeps the original call. With cp > 1 the context-parallel pass rewrites these
-    fused calls as it rewrites SDPA's (passes/context_parallel.py)."""
+    tiny LM at S=256 on dp=2, ep_mp=2); the fused kernels on CPU and GPU (flash, efficient, cuDNN) save the
+    output and the log-sum-exp. Calls the CPU kernel does not take — a mask that needs a gradient (a
+    learned position bias, Inkling's), value heads narrower than the query's (MLA: DeepSeek-V3's 128 for
+    192; its explain kept 217 GB of probabilities per rank at S=2048) — run as the memory-efficient kernel a
+    GPU rank runs (attention_ops.efficient_attention). Dropout keeps the original call. With cp > 1 the
+    context-parallel pass rewrites these fused calls as it rewrites SDPA's (passes/context_parallel.py)."""
     import torch.nn.functional as F
+
+    from .attention_ops import efficient_attention
 
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        # the fused CPU kernel takes no mask that needs a gradient (a learned position bias, Inkling's), and
-        # its meta kernel gives the output q's head size, not v's (MLA-style heads whose v is narrower)
-        fused = query.is_meta and not dropout_p and value.shape[-1] == query.shape[-1] and not (
-            isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad)
-        if not fused:
+        if not query.is_meta or dropout_p:
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
+        # the CPU kernel takes no mask that needs a gradient, and its meta kernel gives the output q's head
+        # size, not v's
+        if value.shape[-1] != query.shape[-1] or (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
+            return efficient_attention(query, key, value, attn_mask, is_causal, scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

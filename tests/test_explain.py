@@ -83,6 +83,30 @@ def test_explain_saved_activations_match_a_real_step(tmp_path):
     assert planned["F_fwd_token"] == real["F_fwd_token"] > 0  # attention FLOPs still read from the fused calls
 
 
+def test_explain_mla_attention_saves_no_probabilities(tmp_path):
+    """MLA's value heads are narrower than its query heads (DeepSeek-V3: 128 for 192), which the CPU flash
+    kernel explain traced for SDPA does not take: those calls kept SDPA's math path on meta and saved the
+    [B, H, S, S] probabilities of every layer (DeepSeek-V3 at S=2048 on dp=8, ep_mp=8: 217 GB saved per
+    rank, 74 GB without them). They are planned as the memory-efficient kernel a GPU rank runs. Every saved
+    activation then grows linearly with S except each layer's additive float mask [1, 1, S, S] (SDPA makes
+    one of the boolean mask per call): M(2S) − 2·M(S) ≤ L·4·((2S)² − 2S²)."""
+    from moe_compile.models.hf import tiny_family_config
+
+    cfg = tmp_path / "config.json"
+    tiny_family_config("deepseek_v3", v_head_dim=8).to_json_file(str(cfg))  # qk_head_dim 16
+    saved, notes = {}, []
+    for s in (256, 512):
+        out = tmp_path / f"s{s}"
+        assert main(["explain", "--hf-config", str(cfg), "--mesh", "dp=1", "--seq-len", str(s), "--batch-size", "1",
+                     "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
+        data = json.loads((out / "ledger.json").read_text())
+        saved[s], notes = data["M_saved"], data["notes"]
+    layers, s = 2, 256
+    quadratic = saved[2 * s] - 2 * saved[s]
+    assert 0 <= quadratic <= 1.01 * layers * 4 * ((2 * s) ** 2 - 2 * s * s), saved
+    assert any("memory-efficient kernel a GPU rank runs" in n for n in notes), notes
+
+
 def _cp2_real_ledger(rank: int, world: int, seq: int) -> dict:
     from moe_compile import moe_compile
 

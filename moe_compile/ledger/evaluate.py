@@ -19,6 +19,7 @@ from typing import Any
 import sympy as sp
 import torch
 
+from ..attention_ops import ATTENTION, EFFICIENT
 from ..ir import MOE_META, Role
 from ..runtime.dropless import DROPLESS_HEADROOM, find_dropless_state
 from ..runtime.route_plan import exact_capacity_factor
@@ -130,14 +131,17 @@ def _attention(captured: torch.fx.GraphModule | list | None) -> tuple[int, int, 
     graphs = [g for g in (captured if isinstance(captured, list) else [captured]) if g is not None]
     if not graphs:
         return None
-    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # explain traces this one on meta
-    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"
-             and n.target in (torch.nn.functional.scaled_dot_product_attention, fused, fused.default)]
+    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target in ATTENTION]
     if not calls:
         return None
     q, k, v = (calls[0].args[i].meta["val"] for i in range(3))
     heads, s = q.shape[-3], k.shape[-2]
     return len(calls), heads * q.shape[-1], heads * v.shape[-1], s
+
+
+def _efficient_attention(captured) -> bool:
+    graphs = [g for g in (captured if isinstance(captured, list) else [captured]) if g is not None]
+    return any(n.op == "call_function" and n.target in EFFICIENT for g in graphs for n in g.graph.nodes)
 
 
 def _dispatch_spec(graphs: dict[str, torch.fx.GraphModule]):
@@ -171,6 +175,10 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
     attn = _attention(graphs.get("captured"))
     if attn is None:
         notes.append("attention FLOPs need a captured graph with scaled_dot_product_attention calls")
+    elif _efficient_attention(graphs.get("captured")):
+        notes.append("attention with value heads narrower than the query's or a bias that needs a gradient is "
+                     "planned as the memory-efficient kernel a GPU rank runs (saving its output and log-sum-exp); "
+                     "a CPU rank runs SDPA's math path there, which also keeps the [B, H, S, S] probabilities")
     if main_weights is None:
         main_weights = sharded_optimizer or b_w < 4  # OLMoDDPOptimizer keeps FP32 main weights for every dtype
     h_d = DROPLESS_HEADROOM if dropless_headroom is None else Fraction(dropless_headroom).limit_denominator(1000)

@@ -19,9 +19,9 @@ in attention is refused, naming the module; a pipeline stage with no attention m
 layers only) is left as it is. Sliding-window layers (api.cp_attention_windows: the config's
 window on its sliding layers) get the window in the same mask, by global token index.
 
-``moe-compile explain`` captures on the meta device with SDPA as the fused CPU kernel (what a rank
-saves, not the math path's probabilities): those calls are rewritten the same way, the boolean mask
-turned into the additive one SDPA would make of it.
+``moe-compile explain`` captures on the meta device with SDPA as a fused kernel (the CPU flash kernel, or
+the memory-efficient one: attention_ops; what a rank saves, not the math path's probabilities): those
+calls are rewritten the same way, the boolean mask turned into the additive one SDPA would make of it.
 
 Requires DENSE, ensures DENSE. A no-op at cp = 1.
 """
@@ -34,28 +34,18 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..attention_ops import EFFICIENT, FUSED, SDPA, attention_arg
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
-SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
-# the fused CPU kernel that explain captures on the meta device in SDPA's place (explain._fused_attention):
-# rewritten the same way, to itself, so the plan saves what a rank's kernel saves (not the math path's S²)
-FUSED = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
-_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_FUSED_ARGS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
-
 
 def _arg(n: fx.Node, i: int, default=None):
-    name = _ARGS[i]
-    if name in n.kwargs:
-        return n.kwargs[name]
-    if n.target in FUSED:
-        j = _FUSED_ARGS.index(name) if name in _FUSED_ARGS else len(n.args)
-        return n.args[j] if j < len(n.args) else default
-    return n.args[i] if i < len(n.args) else default
+    return attention_arg(n, _ARGS[i], default)
+
+
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _where(n: fx.Node) -> str:
@@ -174,14 +164,22 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
                 kwargs["enable_gqa"] = True
             if causal:
                 kwargs["attn_mask"] = mask
-            if n.target in FUSED:  # (out, log-sum-exp) as the node it replaces; no GQA flag (heads as they are)
+            if n.target in FUSED:  # (out, log-sum-exp, …) as the node it replaces; no GQA flag (heads as they are)
                 kwargs.pop("enable_gqa", None)
                 if causal:  # SDPA turns a boolean mask into an additive one of q's dtype first (what backward keeps)
                     zero = g.call_function(torch.zeros_like, (mask,), {"dtype": q.meta["val"].dtype})
                     hidden = g.call_function(torch.logical_not, (mask,))
                     kwargs["attn_mask"] = g.call_function(torch.Tensor.masked_fill, (zero, hidden, float("-inf")))
                     new += [zero, hidden, kwargs["attn_mask"]]
-                out = g.call_function(n.target, (q, kg, vg, 0.0, False), kwargs)
+                if n.target in EFFICIENT:  # its bias is positional and must hold every head
+                    bias = kwargs.pop("attn_mask", None)
+                    if bias is not None:
+                        bias = g.call_function(torch.Tensor.expand, (bias, *q.meta["val"].shape[:-1],
+                                                                     k.meta["val"].shape[-2] * cp))
+                        new.append(bias)
+                    out = g.call_function(n.target, (q, kg, vg, bias, True, 0.0, False), kwargs)
+                else:
+                    out = g.call_function(n.target, (q, kg, vg, 0.0, False), kwargs)
             else:
                 out = g.call_function(F.scaled_dot_product_attention, (q, kg, vg), kwargs)
             new.append(out)
