@@ -185,6 +185,16 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         raise UnsupportedFeatureError(
             f"mesh {spec}: {convs[0]} is a convolution (token mixing over the sequence, {len(convs)} such modules) "
             "that would see one rank's shard only under context parallelism; use cp=1")
+    if getattr(model, "_supports_sdpa", True) is False:  # transformers has no SDPA form of its attention
+        # (GPT-OSS, Flint, GraniteMoE-SWA, MiMo-V2-Flash: sinks). Refused here, not per stage: a pipeline stage
+        # whose layers hold no sinks was told to switch to SDPA, which the model cannot do
+        sinks = next((n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "attn_sinks")), None)
+        where, what = ((sinks.rsplit(".", 1)[0], "attention with sinks (a learned per-head logit beside the keys; ")
+                       if sinks else (type(model).__name__, "attention ("))
+        raise UnsupportedFeatureError(
+            f"{where}: {what}the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention "
+            f"form) under context parallelism (mesh {spec}): only SDPA attention is sharded (K/V gathered over the CP "
+            "group); use cp=1")
 
 
 def cp_attention_windows(model: nn.Module) -> dict[str, int]:

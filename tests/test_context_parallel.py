@@ -403,7 +403,10 @@ def no_positions_worker(rank: int, world: int) -> dict:
     out["nope"] = against_dense(model, spec, input_ids=b, labels=b)
 
     def refusal(model: nn.Module, batch: torch.Tensor) -> str | None:
-        cm = moe_compile(model, spec)
+        try:
+            cm = moe_compile(model, spec)
+        except UnsupportedFeatureError as e:  # refused before anything is built
+            return str(e)
         try:
             cm(input_ids=batch, labels=batch)
         except UnsupportedFeatureError as e:
@@ -446,6 +449,19 @@ def test_cp2_models_without_position_ids():
         assert "reads none and makes positions from the length it sees (arange(8)" in out["refused"], out
         assert out["sinks"].startswith("model.layers.0.self_attn: attention with sinks"), out
         assert out["bias"].startswith("layers.0.attn: attention with an additive torch.float32 mask"), out
+
+
+def test_attention_without_an_sdpa_form_is_refused_before_any_stage_is_built():
+    """MiMo-V2-Flash keeps sinks on its sliding layers only (layer 1 of the tiny config) and, like GPT-OSS,
+    has no SDPA form in transformers (_supports_sdpa=False). At pp=2 × cp=2 its first stage, layer 0 without
+    sinks, was refused with the advice to run attention through SDPA, which the model cannot do; the
+    refusal now comes from the model before anything is built, naming the module with the sinks."""
+    from moe_compile.models.hf import tiny_family_model
+
+    for family, where in (("mimo_v2_flash", "model.layers.1.self_attn"), ("gpt_oss", "model.layers.0.self_attn")):
+        with pytest.raises(UnsupportedFeatureError) as e:
+            _check_context_parallel(tiny_family_model(family, seed=0), MeshSpec.parse("pp=2,cp=2").resolve(4))
+        assert str(e.value).startswith(f"{where}: attention with sinks") and "_supports_sdpa=False" in str(e.value)
 
 
 def test_context_parallel_bad_input_is_a_clear_error():
