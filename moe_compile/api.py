@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .attention_ops import no_sdpa_form
 from .backend import MoEBackend
 from .capture import compile_entry, fresh
 from .codegen.dense_fusion import resolve_dense_fusion
@@ -189,12 +190,8 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         # (GPT-OSS, Flint, GraniteMoE-SWA, MiMo-V2-Flash: sinks). Refused here, not per stage: a pipeline stage
         # whose layers hold no sinks was told to switch to SDPA, which the model cannot do
         sinks = next((n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "attn_sinks")), None)
-        where, what = ((sinks.rsplit(".", 1)[0], "attention with sinks (a learned per-head logit beside the keys; ")
-                       if sinks else (type(model).__name__, "attention ("))
-        raise UnsupportedFeatureError(
-            f"{where}: {what}the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention "
-            f"form) under context parallelism (mesh {spec}): only SDPA attention is sharded (K/V gathered over the CP "
-            "group); use cp=1")
+        raise no_sdpa_form(sinks.rsplit(".", 1)[0] if sinks else type(model).__name__, sinks is not None,
+                           f"mesh {spec}")
 
 
 def cp_attention_windows(model: nn.Module) -> dict[str, int]:

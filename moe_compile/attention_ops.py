@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .errors import UnsupportedFeatureError
+
 _aten = torch.ops.aten
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 FLASH_CPU = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -59,3 +61,13 @@ def efficient_attention(query, key, value, attn_mask=None, is_causal=False, scal
         attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
     return _aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, 0.0, is_causal,
                                                          scale=scale)[0]
+
+
+def no_sdpa_form(where: str, sinks: bool, mesh: str) -> UnsupportedFeatureError:
+    """The refusal under context parallelism of attention transformers has no SDPA form for
+    (``_supports_sdpa=False``; attention sinks in GPT-OSS, Flint, GraniteMoE-SWA, MiMo-V2-Flash)."""
+    what = "attention with sinks (a learned per-head logit beside the keys; " if sinks else "attention ("
+    return UnsupportedFeatureError(
+        f"{where}: {what}the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention form) "
+        f"under context parallelism ({mesh}): only SDPA attention is sharded (K/V gathered over the CP group); "
+        "use cp=1")

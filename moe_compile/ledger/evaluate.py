@@ -128,10 +128,7 @@ def _num(x: sp.Expr) -> int | float:
 def _attention(captured: torch.fx.GraphModule | list | None) -> tuple[int, int, int, int] | None:
     """(L_attn, d_qk, d_v, S) from the scaled-dot-product-attention calls of the captured graph (or of every
     pipeline stage's captured graph, in stage order)."""
-    graphs = [g for g in (captured if isinstance(captured, list) else [captured]) if g is not None]
-    if not graphs:
-        return None
-    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target in ATTENTION]
+    calls = _attention_calls(captured)
     if not calls:
         return None
     q, k, v = (calls[0].args[i].meta["val"] for i in range(3))
@@ -139,9 +136,9 @@ def _attention(captured: torch.fx.GraphModule | list | None) -> tuple[int, int, 
     return len(calls), heads * q.shape[-1], heads * v.shape[-1], s
 
 
-def _efficient_attention(captured) -> bool:
+def _attention_calls(captured: torch.fx.GraphModule | list | None) -> list[torch.fx.Node]:
     graphs = [g for g in (captured if isinstance(captured, list) else [captured]) if g is not None]
-    return any(n.op == "call_function" and n.target in EFFICIENT for g in graphs for n in g.graph.nodes)
+    return [n for g in graphs for n in g.graph.nodes if n.op == "call_function" and n.target in ATTENTION]
 
 
 def _dispatch_spec(graphs: dict[str, torch.fx.GraphModule]):
@@ -175,7 +172,7 @@ def gather_values(shape: MoEShape, counts: ParamCounts, mesh, graphs: dict, *, c
     attn = _attention(graphs.get("captured"))
     if attn is None:
         notes.append("attention FLOPs need a captured graph with scaled_dot_product_attention calls")
-    elif _efficient_attention(graphs.get("captured")):
+    elif any(n.target in EFFICIENT for n in _attention_calls(graphs.get("captured"))):
         notes.append("attention with value heads narrower than the query's or a bias that needs a gradient is "
                      "planned as the memory-efficient kernel a GPU rank runs (saving its output and log-sum-exp); "
                      "a CPU rank runs SDPA's math path there, which also keeps the [B, H, S, S] probabilities")

@@ -34,18 +34,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..attention_ops import EFFICIENT, FUSED, SDPA, attention_arg
+from ..attention_ops import ATTENTION, EFFICIENT, FUSED, SDPA, attention_arg, no_sdpa_form
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
 
 def _arg(n: fx.Node, i: int, default=None):
     return attention_arg(n, _ARGS[i], default)
-
-
-_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _where(n: fx.Node) -> str:
@@ -53,17 +52,13 @@ def _where(n: fx.Node) -> str:
     return str(list(stack.values())[-1][0]) if stack else n.name
 
 
-def _attention_modules(nodes: list[fx.Node]) -> set[str]:
-    """Paths of the attention modules the graph's nodes come from (class or attribute named for attention).
-    The model-level check (api._check_context_parallel) already refused every other token mixer a config
+def _has_attention_module(nodes: list[fx.Node]) -> bool:
+    """Whether any node comes from an attention module (class or attribute named for attention). The
+    model-level check (api._check_context_parallel) already refused every other token mixer a config
     declares; a stage without attention modules and without SDPA has nothing to make whole."""
-    found = set()
-    for n in nodes:
-        for path, cls in (n.meta.get("nn_module_stack") or {}).values():
-            name = getattr(cls, "__name__", str(cls))
-            if "attention" in name.lower() or re.search(r"(?:^|[._])(self_)?attn(?:$|[._])", str(path)):
-                found.add(str(path))
-    return found
+    return any("attention" in getattr(cls, "__name__", str(cls)).lower()
+               or re.search(r"(?:^|[._])(self_)?attn(?:$|[._])", str(path))
+               for n in nodes for path, cls in (n.meta.get("nn_module_stack") or {}).values())
 
 
 @moe_pass(requires=Stage.DENSE, ensures=Stage.DENSE)
@@ -74,8 +69,8 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         return gm
     g = gm.graph
     nodes = list(g.nodes)
-    attn = [n for n in nodes if n.op == "call_function" and (n.target in SDPA or n.target in FUSED)]
-    if not attn and prog.mesh.pp > 1 and not _attention_modules(nodes):
+    attn = [n for n in nodes if n.op == "call_function" and n.target in ATTENTION]
+    if not attn and prog.mesh.pp > 1 and not _has_attention_module(nodes):
         _check_loss_inputs(nodes, prog.mesh, cp)
         return gm  # a pipeline stage of MoE / MLP layers only (Nemotron-H's later stage): nothing mixes tokens
     if not attn:
@@ -85,11 +80,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
                       and re.search(r"(?:^|_)sinks_?$", str(n.target if n.op == "get_attr" else n.name))), None)
         if sinks is not None:  # gpt-oss, GraniteMoE-SWA, MiMo-V2-Flash, Flint: transformers has no SDPA path for them
             user = next(iter(sinks.users), sinks)
-            raise UnsupportedFeatureError(
-                f"{module_path(user) or _where(user)}: attention with sinks (a learned per-head logit beside the keys; "
-                f"the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention form) under "
-                f"context parallelism (cp={cp}): only SDPA attention is sharded (K/V gathered over the CP group); "
-                "use cp=1")
+            raise no_sdpa_form(module_path(user) or _where(user), True, f"cp={cp}")
         where = f" ({module_path(soft) or _where(soft)})" if soft is not None else ""
         raise UnsupportedFeatureError(
             f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
