@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_compile import moe_compile
-from moe_compile.codegen.dense_fusion import cpp_compiler, resolve_dense_fusion, split_segments
+from moe_compile.codegen.dense_fusion import cpp_compiler, fuse_dense, resolve_dense_fusion, split_segments
 from moe_compile.codegen.ffn_decompositions import FFN_DECOMPOSITIONS
 from moe_compile.codegen.row_decompositions import ROW_DECOMPOSITIONS, inline_row_ops
 from moe_compile.errors import OptionError
@@ -249,3 +249,26 @@ def test_expert_ffn_inlining_matches_dense_autograd_and_kernels(activation):
         got = (form[0][:valid], form[1][:valid], form[2], form[3])
         for name, a, b in zip(("out", "g_x", "g_w_in", "g_w_out"), got, ref):
             assert a.shape == b.shape and rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
+
+
+def test_a_view_of_a_cat_with_an_empty_tensor_compiles():
+    """MiMo-V2-Flash's rotary concatenates each key with an empty pass-through part. aten.cat returns a
+    contiguous result, so the traced graph views it; inductor's decomposition of that cat clones the key
+    with its transposed strides, and the view failed to compile (BackendCompilerFailed in every
+    dense_fusion="inductor" program of the family). The fused graph computes what the traced one does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        k = (x @ w).view(2, 16, 4, 8).transpose(1, 2)  # [B, H, S, D], not contiguous
+        k = torch.cat([k * 2.0, torch.empty(0)], dim=-1)
+        return (k.view(8, 16, 8) * 3.0).sum(-1)
+
+    x, w = torch.randn(2, 16, 32), torch.randn(32, 32)
+    gm = make_fx(f, tracing_mode="fake")(x, w)
+    assert any(n.target is torch.ops.aten.view.default and n.args[0].target is torch.ops.aten.cat.default
+               for n in gm.graph.nodes)
+    fused, summary = fuse_dense(gm)
+    assert summary["segments"] >= 1
+    got = fused(x, w)
+    ref = (x @ w).view(2, 16, 4, 8).transpose(1, 2).reshape(8, 16, 8).mul(6.0).sum(-1)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)

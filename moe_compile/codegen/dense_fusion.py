@@ -162,6 +162,13 @@ class _Compiled(torch.nn.Module):
         return self.fn(*args)
 
 
+# a view the traced graph took of a contiguous value may not be one after inductor's decompositions,
+# which do not keep every op's output layout: its cat of a tensor with legacy empty ones (MiMo-V2-Flash's
+# rotary `cat([k_rot, k_pass])`) clones that tensor with its strides, where aten.cat returns a contiguous
+# result. The graph is functional, so a reshape (a view wherever the layout allows) computes the same.
+_RESHAPED_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
 def _segment_module(gm: fx.GraphModule, seg: list[fx.Node], later_users: set[fx.Node]):
     """A GraphModule of ``seg``: inputs = what it reads from outside, outputs = what later nodes read."""
     inside = set(seg)
@@ -175,6 +182,8 @@ def _segment_module(gm: fx.GraphModule, seg: list[fx.Node], later_users: set[fx.
                 env[a].meta.update(a.meta)
                 inputs.append(a)
         env[n] = g.node_copy(n, lambda a: env[a])
+        if n.target in _RESHAPED_VIEWS:
+            env[n].target = torch.ops.aten.reshape.default
     outputs = [n for n in seg if any(u in later_users for u in n.users)]
     g.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(gm, g), inputs, outputs
