@@ -201,6 +201,10 @@ def _families_parser(sub) -> None:
                    help="with output_router_logits=True where the config has it: the load-balancing aux_loss compared too")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches of each step at pp > 1 (default: pp); the step is cm.train_step")
+    p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
+                   help="compile with this recompute mode (the dense reference is unchanged)")
+    p.add_argument("--dense-fusion", choices=["auto", "inductor", "none"], default="auto",
+                   help="compile the dense part with inductor or not (default: per device)")
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -223,8 +227,10 @@ def cmd_families(args: argparse.Namespace) -> int:
         print(f"moe-compile families: {e}", file=sys.stderr)
         return 2
     try:
+        options = {"activation_checkpointing": None if args.activation_checkpointing == "none"
+                   else args.activation_checkpointing, "dense_fusion": args.dense_fusion}
         results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, args.router_logits, args.microbatches,
-                              timeout=24 * 3600)[0]
+                              options, timeout=24 * 3600)[0]
     except RankFailure as e:
         print(f"moe-compile families failed: {e}", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ the load-balancing ``aux_loss`` too (the sweep's ``router_logits``). The outcome
   gated-delta-rule decay ``A_log``: a sum that cancels to 1e-5 of its terms), within ``tol`` of the fp64
   dense gradient or within 3× fp32's own error against it: the largest of the fp32 dense model's and
   of a few fp32 dense runs whose MoE blocks' outputs and gradients carry a rounding-level jitter
-  (:func:`_fp64_parity`);
+  (:func:`_fp64_parity`), and with ``dense_fusion="inductor"`` of torch.compile(dense model);
 * ``error``: moe_compile refused it with a :class:`MoECompileError` (the message says why);
 * ``wrong``: it compiled but the loss or a gradient differs;
 * ``crash``: any other exception (from moe_compile, or the tiny config could not be built/run densely:
@@ -87,7 +87,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1, tol: float = TOL,
-                 microbatches: int | None = None, **config_overrides) -> FamilyResult:
+                 microbatches: int | None = None, options: dict | None = None, **config_overrides) -> FamilyResult:
     """Compile one family's tiny random model on ``mesh`` and compare it with the dense model.
 
     Call on every rank of an initialised world (or in one process for a one-rank mesh); every rank
@@ -95,8 +95,10 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     replica runs its own batch; the ranks of one CP group and of one pipeline pass the same one (they
     shard it). At pp > 1 the step is ``cm.train_step`` over ``microbatches`` (default pp) microbatches,
     and the dense reference the mean of the microbatches' losses (equal token counts: the batch mean,
-    aux losses per microbatch as the schedule computes them)."""
+    aux losses per microbatch as the schedule computes them). ``options``: further moe_compile options
+    (activation_checkpointing, dense_fusion), the same dense reference."""
     from . import MeshSpec, moe_compile
+    from .codegen.dense_fusion import resolve_dense_fusion
     from .models.hf import tiny_family_model
 
     t0 = time.perf_counter()
@@ -122,7 +124,7 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     cm = None
     b = batches[replica]
     try:
-        cm = moe_compile(model, spec, **({"microbatches": m} if spec.pp > 1 else {}))
+        cm = moe_compile(model, spec, **({"microbatches": m} if spec.pp > 1 else {}), **(options or {}))
         blocks = list(cm.program.blocks)  # the module paths moe_compile rewrote
         if spec.pp > 1:  # cm(...) is forward-only evaluation on a pipeline: train_step runs the schedule
             out = None
@@ -156,7 +158,9 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     ok = loss_err <= tol and grad_err <= tol
     msg = f"loss err {loss_err:.1e}, grad err {grad_err:.1e} ({worst})"
     if loss_err <= tol and not ok:
-        ok, note = _fp64_parity(pristine, [x for b in batches for x in b.chunk(m)], grads, ref_grads, tol, blocks)
+        fused = resolve_dense_fusion((options or {}).get("dense_fusion", "auto"), "cpu") == "inductor"
+        ok, note = _fp64_parity(pristine, [x for b in batches for x in b.chunk(m)], grads, ref_grads, tol, blocks,
+                                inductor=fused)
         msg += f"; {note}"
     return result("compiled" if ok else "wrong", msg, loss_err=loss_err, grad_err=grad_err, worst=worst,
                   module_paths=paths)
@@ -196,15 +200,28 @@ def _jittered_grads(model: nn.Module, batches, blocks: list[str], seed: int) -> 
 JITTER_RUNS = 4
 
 
+def _inductor_grads(model: nn.Module, batches) -> list[dict[str, torch.Tensor]]:
+    """The fp32 dense model's gradients under torch.compile (inductor), or none where it cannot run."""
+    model = copy.deepcopy(model)
+    try:
+        run = torch.compile(model)
+        torch.stack([run(input_ids=b, labels=b).loss for b in batches]).mean().backward()
+    except Exception:  # noqa: BLE001 - no such reference: the others decide
+        return []
+    return [_grads(model)]
+
+
 def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: float,
-                 blocks: list[str] = ()) -> tuple[bool, str]:
+                 blocks: list[str] = (), inductor: bool = False) -> tuple[bool, str]:
     """Parity where fp32 itself is too coarse: every gradient that differs from the fp32 dense one by more
     than ``tol`` must be within ``tol`` of an fp64 run of the dense model, or within 3× fp32's own error
     against it. fp32's own error is the largest of the fp32 dense model's and of JITTER_RUNS fp32 dense
     runs with a rounding-level jitter on the MoE blocks moe_compile rewrote (``blocks``): its kernels
     compute those blocks in another order, and an ill-conditioned gradient (a sum that cancels to 1e-5
     of its terms, as the gated-delta-rule decay's) moves by up to 10× more under such a change than the
-    one fp32 dense run's error shows (Qwen3.5-MoE's dt_bias: 4.3e-6 unjittered, up to 3.7e-5 jittered)."""
+    one fp32 dense run's error shows (Qwen3.5-MoE's dt_bias: 4.3e-6 unjittered, up to 3.7e-5 jittered).
+    ``inductor``: the dense part was compiled with inductor, which reorders it as well, so torch.compile of
+    the dense model is one more fp32 run (Qwen3.5-MoE's dt_bias: 1.1e-4 off fp64 there, 3e-5 in eager)."""
     fp32_model = copy.deepcopy(model)  # model itself becomes the fp64 one
     try:
         model = model.double()
@@ -215,6 +232,8 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
     except Exception as e:  # noqa: BLE001 - no fp64 reference: the fp32 verdict stands
         return False, f"no fp64 reference ({_first_line(e)})"
     jittered = [_jittered_grads(fp32_model, batches, list(blocks), seed) for seed in range(JITTER_RUNS)] if blocks else []
+    if inductor:
+        jittered += _inductor_grads(fp32_model, batches)
     worst = (0.0, 0.0, "")
     for n in grads:
         if _rel(grads[n], ref_grads[n]) <= tol or n not in exact:
@@ -229,7 +248,8 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
 
 
 def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 0, world: int = 1,
-          progress=None, router_logits: bool = False, microbatches: int | None = None) -> list[FamilyResult]:
+          progress=None, router_logits: bool = False, microbatches: int | None = None,
+          options: dict | None = None) -> list[FamilyResult]:
     """:func:`check_family` for every family (default: all of :func:`moe_families`), in order.
     ``router_logits``: with ``output_router_logits=True`` on the families whose config has the flag."""
     from .models.hf import tiny_family_config
@@ -244,19 +264,20 @@ def sweep(families: list[str] | None = None, mesh: str = "ep_mp=1", rank: int = 
                 cfg = None
             if cfg is not None and hasattr(cfg, "output_router_logits"):
                 overrides["output_router_logits"] = True
-        out.append(check_family(f, mesh, rank, world, microbatches=microbatches, **overrides))
+        out.append(check_family(f, mesh, rank, world, microbatches=microbatches, options=options, **overrides))
         if progress is not None:
             progress(out[-1])
     return out
 
 
 def sweep_worker(rank: int, world: int, families: list[str] | None, mesh: str,
-                 router_logits: bool = False, microbatches: int | None = None) -> list[FamilyResult]:
+                 router_logits: bool = False, microbatches: int | None = None,
+                 options: dict | None = None) -> list[FamilyResult]:
     """For :func:`moe_compile.runtime.launcher.spawn_ranks`: one rank of a sweep."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return sweep(families, mesh, rank, world, router_logits=router_logits, microbatches=microbatches)
+    return sweep(families, mesh, rank, world, router_logits=router_logits, microbatches=microbatches, options=options)
 
 
 def format_table(results: list[FamilyResult]) -> str:

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from moe_compile import moe_compile, read_block, register_recognizer, unregister_recognizer
 from moe_compile.errors import RecognitionError
-from moe_compile.families import FamilyResult, moe_families, sweep_worker
+from moe_compile.families import FamilyResult, check_family, moe_families, sweep_worker
 from moe_compile.models import MoELMOutput
 
 from .harness import run_ranks
@@ -259,3 +259,34 @@ def test_fp32_parity_rule_allows_rounding_noise_and_catches_errors():
     wrong = dict(noisy, c=ref["c"] + 100 * (noisy["c"] - ref["c"]))
     ok, note = _fp64_parity(copy.deepcopy(model), batches, wrong, ref, 1e-5, ["blk"])
     assert not ok and note.startswith("c: "), note
+
+
+# recompute modes on families whose forms a mode's tagging must get right: a gated-delta-rule mixer
+# beside attention (qwen3_next), attention sinks and expert biases (gpt_oss), weights on the expert
+# input (llama4_text). Every family passed each mode in a manual sweep (`--activation-checkpointing`).
+RECOMPUTE_FAMILIES = ("qwen3_next", "gpt_oss", "llama4_text")
+
+
+def test_families_with_recompute_match_the_dense_model():
+    """The sweep's compile options reach moe_compile: "full" recompute on three families matches the dense
+    model, and a bad mode is the family's error naming the option."""
+    results = run_ranks(sweep_worker, 1, list(RECOMPUTE_FAMILIES), "ep_mp=1", False, None,
+                        {"activation_checkpointing": "full"}, timeout=500)[0]
+    assert [r.family for r in results] == list(RECOMPUTE_FAMILIES)
+    for r in results:
+        assert r.status == "compiled", f"{r.family}: {r.status}: {r.message}"
+    bad = check_family("olmoe", options={"activation_checkpointing": "layers"})
+    assert bad.status == "error" and "activation_checkpointing='layers'" in bad.message, bad.message
+
+
+@pytest.mark.slow
+def test_families_with_dense_fusion_match_the_dense_model():
+    """dense_fusion="inductor" on the two families its sweep found failing: MiMo-V2-Flash crashed (a view of
+    a cat with an empty tensor, see codegen/dense_fusion.py) and Qwen3.5-MoE's gated-delta-rule gradients
+    lay outside the parity rule until it counted torch.compile of the dense model as an fp32 run."""
+    families = ["mimo_v2_flash", "qwen3_5_moe_text"]
+    results = run_ranks(sweep_worker, 1, families, "ep_mp=1", False, None, {"dense_fusion": "inductor"},
+                        timeout=580)[0]
+    assert [r.family for r in results] == families
+    for r in results:
+        assert r.status == "compiled", f"{r.family}: {r.status}: {r.message}"
