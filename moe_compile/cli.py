@@ -39,12 +39,7 @@ def _train_parser(sub) -> None:
                    help="microbatches per optimizer step (the pipeline schedule's m; at pp=1 accumulation)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
                    help="pipeline schedule for a mesh with pp>1 (torch.distributed.pipelining)")
-    p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
-                   help="recompute in backward: selective (elementwise ops), moe (the MoE blocks), full (default: "
-                   "none); the routing is saved in every mode")
-    p.add_argument("--dense-fusion", choices=["auto", "inductor", "none"], default="auto",
-                   help="compile the dense part of the graphs with inductor (auto: none on CPU, where the compile "
-                   "pays back after some hundred steps; see README)")
+    _compile_option_arguments(p)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--ckpt", default=None, metavar="DIR", help="checkpoint directory")
@@ -58,14 +53,27 @@ def _train_parser(sub) -> None:
                    help="tiny model: no load-balancing / z loss (the HF families train without theirs)")
 
 
+def _compile_option_arguments(p: argparse.ArgumentParser) -> None:
+    """The compile options `train` and `families` both take."""
+    p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
+                   help="recompute in backward: selective (elementwise ops), moe (the MoE blocks), full (default: "
+                   "none); the routing is saved in every mode")
+    p.add_argument("--dense-fusion", choices=["auto", "inductor", "none"], default="auto",
+                   help="compile the dense part of the graphs with inductor (auto: none on CPU, where the compile "
+                   "pays back after some hundred steps; see README)")
+
+
+def _ac_mode(value: str) -> str | None:
+    return None if value == "none" else value
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["model"] = args.hf or "tiny"
     if not kw.get("max_grad_norm"):
         kw["max_grad_norm"] = None
-    if kw.get("activation_checkpointing") == "none":
-        kw["activation_checkpointing"] = None
+    kw["activation_checkpointing"] = _ac_mode(args.activation_checkpointing)
     return TrainConfig(**kw)
 
 
@@ -201,10 +209,7 @@ def _families_parser(sub) -> None:
                    help="with output_router_logits=True where the config has it: the load-balancing aux_loss compared too")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches of each step at pp > 1 (default: pp); the step is cm.train_step")
-    p.add_argument("--activation-checkpointing", choices=["none", "selective", "moe", "full"], default="none",
-                   help="compile with this recompute mode (the dense reference is unchanged)")
-    p.add_argument("--dense-fusion", choices=["auto", "inductor", "none"], default="auto",
-                   help="compile the dense part with inductor or not (default: per device)")
+    _compile_option_arguments(p)  # the dense reference stays eager
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -227,8 +232,8 @@ def cmd_families(args: argparse.Namespace) -> int:
         print(f"moe-compile families: {e}", file=sys.stderr)
         return 2
     try:
-        options = {"activation_checkpointing": None if args.activation_checkpointing == "none"
-                   else args.activation_checkpointing, "dense_fusion": args.dense_fusion}
+        options = {"activation_checkpointing": _ac_mode(args.activation_checkpointing),
+                   "dense_fusion": args.dense_fusion}
         results = spawn_ranks(sweep_worker, args.ranks, names, args.mesh, args.router_logits, args.microbatches,
                               options, timeout=24 * 3600)[0]
     except RankFailure as e:

@@ -231,15 +231,15 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
         exact = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     except Exception as e:  # noqa: BLE001 - no fp64 reference: the fp32 verdict stands
         return False, f"no fp64 reference ({_first_line(e)})"
-    jittered = [_jittered_grads(fp32_model, batches, list(blocks), seed) for seed in range(JITTER_RUNS)] if blocks else []
+    runs = [_jittered_grads(fp32_model, batches, list(blocks), seed) for seed in range(JITTER_RUNS)] if blocks else []
     if inductor:
-        jittered += _inductor_grads(fp32_model, batches)
+        runs += _inductor_grads(fp32_model, batches)
     worst = (0.0, 0.0, "")
     for n in grads:
         if _rel(grads[n], ref_grads[n]) <= tol or n not in exact:
             continue
         own = _rel(grads[n].double(), exact[n])
-        fp32 = max(_rel(g[n].double(), exact[n]) for g in [ref_grads, *jittered])
+        fp32 = max(_rel(g[n].double(), exact[n]) for g in [ref_grads, *runs])
         if own > max(tol, 3 * fp32):
             return False, f"{n}: off by {own:.1e} from fp64, fp32's own error {fp32:.1e}"
         worst = max(worst, (own, fp32, n))

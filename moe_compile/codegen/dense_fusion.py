@@ -164,7 +164,7 @@ class _Compiled(torch.nn.Module):
 
 # a view the traced graph took of a contiguous value may not be one after inductor's decompositions,
 # which do not keep every op's output layout: its cat of a tensor with legacy empty ones (MiMo-V2-Flash's
-# rotary `cat([k_rot, k_pass])`) clones that tensor with its strides, where aten.cat returns a contiguous
+# rotary `cat([k_embed, k_pass])`, k_pass empty) clones that tensor with its strides, where aten.cat returns a contiguous
 # result. The graph is functional, so a reshape (a view wherever the layout allows) computes the same.
 _RESHAPED_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
