@@ -22,6 +22,7 @@ from .frontend.baked_attrs import baked_attrs
 from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
+from .models.hf_sinks import sink_parameter, use_sink_attention
 from .options import CompileOptions, schedule_without_pipeline
 from .program import Program
 from .runtime import (
@@ -78,6 +79,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     schedule = _schedule_for(spec, opts)
     if spec.cp > 1:
         _check_context_parallel(model, spec)
+        use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
@@ -186,12 +188,11 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         raise UnsupportedFeatureError(
             f"mesh {spec}: {convs[0]} is a convolution (token mixing over the sequence, {len(convs)} such modules) "
             "that would see one rank's shard only under context parallelism; use cp=1")
-    if getattr(model, "_supports_sdpa", True) is False:  # transformers has no SDPA form of its attention
-        # (GPT-OSS, Flint, GraniteMoE-SWA, MiMo-V2-Flash: sinks). Refused here, not per stage: a pipeline stage
-        # whose layers hold no sinks was told to switch to SDPA, which the model cannot do
-        sinks = next((n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "attn_sinks")), None)
-        raise no_sdpa_form(sinks.rsplit(".", 1)[0] if sinks else type(model).__name__, sinks is not None,
-                           f"mesh {spec}")
+    if getattr(model, "_supports_sdpa", True) is False and sink_parameter(model) is None:
+        # transformers has no SDPA form of its attention, and it holds no sinks (those run as
+        # moe_cp::sink_attention: models/hf_sinks.py). Refused here, not per stage: a pipeline stage whose
+        # layers hold no such attention was told to switch to SDPA, which the model cannot do
+        raise no_sdpa_form(type(model).__name__, False, f"mesh {spec}")
 
 
 def cp_attention_windows(model: nn.Module) -> dict[str, int]:

@@ -1,10 +1,11 @@
 """The attention calls a captured graph may hold, and where their arguments are.
 
-A rank's graph calls ``F.scaled_dot_product_attention``. ``moe-compile explain`` captures on the meta
+A rank's graph calls ``F.scaled_dot_product_attention`` (or, for attention with sinks under context
+parallelism, ``moe_cp::sink_attention``). ``moe-compile explain`` captures on the meta
 device, where SDPA would take its math path and save the [B, H, S, S] probabilities no fused kernel
 keeps, so it traces a fused kernel in SDPA's place (explain._fused_attention): the CPU flash kernel
 where it takes the call, else the memory-efficient kernel a GPU rank runs (an additive bias that needs a
-gradient, value heads narrower than the query's: MLA). The context-parallel pass rewrites all three
+gradient, value heads narrower than the query's: MLA). The context-parallel pass rewrites all four
 forms and the ledger reads its attention shapes from them.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import ops  # noqa: F401  (registers moe_cp::sink_attention)
 from .errors import UnsupportedFeatureError
 
 _aten = torch.ops.aten
@@ -20,20 +22,24 @@ SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attentio
 FLASH_CPU = (_aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention_for_cpu.default)
 EFFICIENT = (_aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_efficient_attention.default)
 FUSED = FLASH_CPU + EFFICIENT
-ATTENTION = SDPA + FUSED
+# attention with sinks (GPT-OSS & co. under context parallelism: models/hf_sinks.py)
+SINKS = (torch.ops.moe_cp.sink_attention, torch.ops.moe_cp.sink_attention.default)
+ATTENTION = SDPA + FUSED + SINKS
 
 # positional argument names per form (keyword-only ones after them: scale, and attn_mask for flash_cpu)
 _POSITIONAL = {
     "sdpa": ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
     "flash_cpu": ("query", "key", "value", "dropout_p", "is_causal"),
     "efficient": ("query", "key", "value", "attn_mask", "compute_log_sumexp", "dropout_p", "is_causal"),
+    "sinks": ("query", "key", "value", "sinks", "attn_mask", "is_causal", "scale"),
 }
-_KEYWORD = {"sdpa": {}, "flash_cpu": {"attn_mask": "attn_mask"}, "efficient": {"attn_mask": "attn_bias"}}
+_KEYWORD = {"sdpa": {}, "flash_cpu": {"attn_mask": "attn_mask"}, "efficient": {"attn_mask": "attn_bias"},
+            "sinks": {}}
 
 
 def form(target: object) -> str | None:
     return "sdpa" if target in SDPA else "flash_cpu" if target in FLASH_CPU else "efficient" if target in EFFICIENT \
-        else None
+        else "sinks" if target in SINKS else None
 
 
 def attention_arg(n: torch.fx.Node, name: str, default=None):
@@ -64,10 +70,17 @@ def efficient_attention(query, key, value, attn_mask=None, is_causal=False, scal
 
 
 def no_sdpa_form(where: str, sinks: bool, mesh: str) -> UnsupportedFeatureError:
-    """The refusal under context parallelism of attention transformers has no SDPA form for
-    (``_supports_sdpa=False``; attention sinks in GPT-OSS, Flint, GraniteMoE-SWA, MiMo-V2-Flash)."""
-    what = "attention with sinks (a learned per-head logit beside the keys; " if sinks else "attention ("
+    """The refusal under context parallelism of attention without an SDPA form: a transformers model that
+    declares ``_supports_sdpa=False`` and holds no sinks, or attention with sinks computed eagerly in a
+    model of the user's own (transformers' models with sinks run ``moe_cp::sink_attention``:
+    models/hf_sinks.py)."""
+    if sinks:
+        return UnsupportedFeatureError(
+            f"{where}: attention with sinks (a learned per-head logit beside the keys) computed as matmul-softmax "
+            f"under context parallelism ({mesh}): only scaled_dot_product_attention and moe_cp::sink_attention are "
+            "sharded (K/V gathered over the CP group); call torch.ops.moe_cp.sink_attention(q, k, v, sinks, "
+            "attn_mask, is_causal, scale) in the attention, or use cp=1")
     return UnsupportedFeatureError(
-        f"{where}: {what}the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention form) "
-        f"under context parallelism ({mesh}): only SDPA attention is sharded (K/V gathered over the CP group); "
-        "use cp=1")
+        f"{where}: attention (the model declares _supports_sdpa=False, so it has no scaled_dot_product_attention "
+        f"form) under context parallelism ({mesh}): only SDPA attention is sharded (K/V gathered over the CP "
+        "group); use cp=1")

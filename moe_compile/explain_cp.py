@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .attention_ops import SINKS
+
 
 def _nbytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
@@ -46,7 +48,8 @@ def cp_rows(cm, ledger) -> dict[str, Any] | None:
     if not graphs:
         return None
     cp = spec.cp
-    gathers = [n for fwd, _ in graphs for n in fwd.graph.nodes if n.op == "call_function" and "moe_cp" in str(n.target)]
+    gathers = [n for fwd, _ in graphs for n in fwd.graph.nodes
+               if n.op == "call_function" and "moe_cp.all_gather" in str(n.target)]
     kv = [n for n in gathers if n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 3]
     kv_bytes = sum(_nbytes(n.meta["val"]) for n in kv)
     # router logits [tokens, N] (and a block's routes [tokens, K]) gathered along the tokens for a
@@ -54,7 +57,7 @@ def cp_rows(cm, ledger) -> dict[str, Any] | None:
     router_bytes = sum(_nbytes(n.meta["val"]) for n in gathers if n.meta["val"].dim() == 2 and n.args[1] == 0)
     flops = 0
     for n in (n for _, part in graphs for n in part.graph.nodes):
-        if n.op == "call_function" and "scaled_dot_product" in str(n.target):
+        if n.op == "call_function" and ("scaled_dot_product" in str(n.target) or n.target in SINKS):
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             b, h, sq, hd = (int(x) for x in q.shape)
             flops += 4 * b * h * sq * int(k.shape[-2]) * hd

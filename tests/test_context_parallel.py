@@ -366,6 +366,37 @@ def test_cp2_sliding_window_attention():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
 
+def sinks_worker(rank: int, world: int) -> dict:
+    """cp=2, sliding window 4 over 32 tokens: attention with sinks (no SDPA form in transformers) as
+    moe_cp::sink_attention: GPT-OSS (sliding and full layers alternate), on a left-padded batch too,
+    MiMo-V2-Flash (sinks on its sliding layers only, value heads narrower than the query's) and
+    GraniteMoE-SWA (the sink as a sigmoid scale of the output)."""
+    from moe_compile.models.hf import tiny_family_model
+
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    b = make_batches(1, 2, 32, seed=8)[0]
+    left = torch.ones_like(b)
+    left[1, :9] = 0
+    out = {}
+    for case, family, kw in (("gpt_oss", "gpt_oss", {}), ("gpt_oss_padded", "gpt_oss", {"attention_mask": left}),
+                             ("mimo_v2_flash", "mimo_v2_flash", {}), ("granitemoe_swa", "granitemoe_swa", {})):
+        model = tiny_family_model(family, seed=0, sliding_window=4)
+        x = b % model.config.vocab_size
+        labels = x.masked_fill(kw.get("attention_mask", torch.ones_like(x)) == 0, -100)
+        out[case] = against_dense(model, spec, input_ids=x, labels=labels, use_cache=False, **kw)
+    return out
+
+
+def test_cp2_attention_with_sinks():
+    """Refused before: attention with sinks (GPT-OSS, MiMo-V2-Flash, GraniteMoE-SWA, Flint) under context
+    parallelism, as their eager matmul-softmax form has no SDPA node to shard. Under cp > 1 the model runs
+    it as one op the CP pass gathers K/V for (models/hf_sinks.py); loss and every gradient (the sinks' too)
+    as the dense model's eager attention, with windows and padding."""
+    for out in run_ranks(sinks_worker, 2):
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
 def mixed_batches_worker(rank: int, world: int) -> list:
     """cp=2, forward only: rank 1 passes another batch than rank 0 (a loader sharded by global rank)."""
     spec = MeshSpec.parse("cp=2").resolve(world)
@@ -432,36 +463,56 @@ def no_positions_worker(rank: int, world: int) -> dict:
 
     attn.forward = with_bias
     out["bias"] = refusal(biased, b)
-    # attention sinks: no SDPA form in transformers (the advice to use SDPA could not be followed)
-    out["sinks"] = refusal(tiny_family_model("gpt_oss", seed=0), b % 200)
+    for case in ("eager", "sinks"):  # one layer of the user's own in the matmul-softmax form, with sinks or not
+        model = _model("tiny")
+        attn = model.layers[0].attn
+        attn.sinks = nn.Parameter(torch.zeros(attn.n_heads))
+
+        def eager(x, attn=attn, sinks=case == "sinks"):
+            bsz, s, d = x.shape
+            q, k, v = attn.qkv(x).view(bsz, s, 3, attn.n_heads, d // attn.n_heads).permute(2, 0, 3, 1, 4)
+            w = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            if sinks:
+                w = torch.cat([w, attn.sinks.view(1, -1, 1, 1).expand(bsz, -1, s, 1)], -1)
+            p = w.softmax(-1)[..., :s]
+            return attn.proj((p @ v).transpose(1, 2).reshape(bsz, s, d))
+
+        attn.forward = eager
+        out[case] = refusal(model, b)
     return out
 
 
 def test_cp2_models_without_position_ids():
     """Refused before: a model that reads no position ids (NoPE attention, as Nemotron-H's) is exact under
     CP; the causal mask takes the shard's global positions. One that makes positions from the length it
-    sees is still refused, naming the arange; GPT-OSS's attention sinks are refused naming the module (the
-    message told users to run attention through SDPA, which transformers has no form of for it); an additive
-    float mask given to SDPA (a bias the whole sequence's causal mask replaced, silently) is refused."""
+    sees is still refused, naming the arange; an additive float mask given to SDPA (a bias the whole
+    sequence's causal mask replaced, silently) is refused, as is a layer of the model's own attending by
+    matmul-softmax beside SDPA layers (it ran on the shard alone, silently), with sinks or not."""
     for out in run_ranks(no_positions_worker, 2):
         got, want, err = out["nope"]
         assert abs(got - want) <= TOL * abs(want) and err <= TOL, out
         assert "reads none and makes positions from the length it sees (arange(8)" in out["refused"], out
-        assert out["sinks"].startswith("model.layers.0.self_attn: attention with sinks"), out
         assert out["bias"].startswith("layers.0.attn: attention with an additive torch.float32 mask"), out
+        assert out["eager"].startswith("layers.0.attn: attention computed as matmul-softmax"), out
+        assert out["sinks"].startswith("layers.0.attn: attention with sinks (a learned per-head logit beside the "
+                                       "keys) computed as matmul-softmax"), out
 
 
 def test_attention_without_an_sdpa_form_is_refused_before_any_stage_is_built():
-    """MiMo-V2-Flash keeps sinks on its sliding layers only (layer 1 of the tiny config) and, like GPT-OSS,
-    has no SDPA form in transformers (_supports_sdpa=False). At pp=2 × cp=2 its first stage, layer 0 without
-    sinks, was refused with the advice to run attention through SDPA, which the model cannot do; the
-    refusal now comes from the model before anything is built, naming the module with the sinks."""
+    """A transformers model with no SDPA form (_supports_sdpa=False) and no sinks (which run as
+    moe_cp::sink_attention) is refused from the model before anything is built: at pp=2 × cp=2 a stage
+    without such attention was once refused with the advice to run attention through SDPA, which the
+    model cannot do. Models with sinks pass the check."""
     from moe_compile.models.hf import tiny_family_model
 
-    for family, where in (("mimo_v2_flash", "model.layers.1.self_attn"), ("gpt_oss", "model.layers.0.self_attn")):
-        with pytest.raises(UnsupportedFeatureError) as e:
-            _check_context_parallel(tiny_family_model(family, seed=0), MeshSpec.parse("pp=2,cp=2").resolve(4))
-        assert str(e.value).startswith(f"{where}: attention with sinks") and "_supports_sdpa=False" in str(e.value)
+    spec = MeshSpec.parse("pp=2,cp=2").resolve(4)
+    model = tiny_family_model("mixtral", seed=0)
+    model._supports_sdpa = False
+    with pytest.raises(UnsupportedFeatureError) as e:
+        _check_context_parallel(model, spec)
+    assert str(e.value).startswith("MixtralForCausalLM: attention (the model declares _supports_sdpa=False"), e.value
+    for family in ("mimo_v2_flash", "gpt_oss"):
+        _check_context_parallel(tiny_family_model(family, seed=0), spec)
 
 
 def test_context_parallel_bad_input_is_a_clear_error():

@@ -141,6 +141,28 @@ def test_explain_saved_activations_at_cp2_match_a_real_step(tmp_path):
     assert planned["F_fwd_token"] == json.loads((tmp_path / "cp1" / "ledger.json").read_text())["F_fwd_token"]
 
 
+def test_explain_attention_with_sinks_at_cp2(tmp_path):
+    """GPT-OSS (attention sinks, no SDPA form) was refused at cp > 1. Its attention now runs as
+    moe_cp::sink_attention, which explain reads as it reads SDPA: the context-parallel figures against
+    the config by hand (2 layers, 4 query and 2 K/V heads of 16, S=64 in 2 shards, B=1, fp32), and the
+    ledger's attention shapes from the same nodes (at cp=1 the eager form has none to read)."""
+    from moe_compile.models.hf import tiny_family_config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(tiny_family_config("gpt_oss").to_json_string())
+    out = tmp_path / "gpt_oss"
+    assert main(["explain", "--hf-config", str(cfg), "--mesh", "dp=1,cp=2", "--seq-len", "64", "--batch-size", "1",
+                 "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
+    data = json.loads((out / "ledger.json").read_text())
+    layers, heads, kv_heads, hd, s, cp = 2, 4, 2, 16, 64, 2
+    cpd = data["context_parallel"]
+    assert cpd["all_gathers"] == 2 * layers  # K and V of each layer; not the attention nodes themselves
+    assert cpd["kv_gathered_bytes"] == 2 * layers * kv_heads * s * hd * 4
+    assert cpd["attn_flops_per_step"] == 3 * layers * 4 * heads * (s // cp) * s * hd
+    assert [data["symbols"][k] for k in ("L_attn", "d_qk", "d_v", "S")] == [layers, heads * hd, heads * hd, s]
+    assert not any("attention FLOPs need" in n for n in data["notes"]), data["notes"]
+
+
 def test_explain_pipeline_with_context_parallelism(tmp_path):
     """pp × cp: the stages were planned on the whole sequence (a raw BackendCompilerFailed saying the model
     must accept position_ids) and, at any pp > 1, every token-dependent figure was n/a. Now each rank's

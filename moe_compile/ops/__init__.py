@@ -3,7 +3,7 @@ registers them; graphs refer to them as ``torch.ops.moe.<name>.default``."""
 
 import torch
 
-from . import context_parallel, experts, index_check, leases, mx, routing, transport  # noqa: F401  (registration)
+from . import context_parallel, experts, index_check, leases, mx, routing, sink_attention, transport  # noqa: F401
 
 ops = torch.ops.moe
 

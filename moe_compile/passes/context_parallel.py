@@ -14,8 +14,10 @@ shard is replaced by the whole sequence's, as transformers makes it (masking_uti
 token index, padding keys masked (the batch's attention_mask, sharded like the tokens), and, without an
 attention_mask, packed sequences kept apart where the position ids restart. A node with ``is_causal``
 and no mask of the model's gets the causal mask alone (the model ignored padding and packing), one with
-neither none (bidirectional). A graph with no SDPA node (the eager matmul-softmax form) or with dropout
-in attention is refused, naming the module; a pipeline stage with no attention module at all (MoE and MLP
+neither none (bidirectional). Attention with sinks (GPT-OSS & co., which have no SDPA form) arrives as one
+``moe_cp::sink_attention`` node (models/hf_sinks.py) and is rewritten the same way, its sinks as they
+are. A graph with no such node (the eager matmul-softmax form) or with dropout in attention is refused,
+naming the module; a pipeline stage with no attention module at all (MoE and MLP
 layers only) is left as it is. Sliding-window layers (api.cp_attention_windows: the config's
 window on its sliding layers) get the window in the same mask, by global token index.
 
@@ -34,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..attention_ops import ATTENTION, EFFICIENT, FUSED, SDPA, attention_arg, no_sdpa_form
+from ..attention_ops import ATTENTION, EFFICIENT, FUSED, SDPA, SINKS, attention_arg, no_sdpa_form
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
 from ..viz.graph import module_path
@@ -78,7 +80,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
                      and "attn" in _where(n).lower()), None)
         sinks = next((n for n in nodes if n.op in ("placeholder", "get_attr")
                       and re.search(r"(?:^|_)sinks_?$", str(n.target if n.op == "get_attr" else n.name))), None)
-        if sinks is not None:  # gpt-oss, GraniteMoE-SWA, MiMo-V2-Flash, Flint: transformers has no SDPA path for them
+        if sinks is not None:  # a model of the user's own (transformers' run moe_cp::sink_attention: models/hf_sinks.py)
             user = next(iter(sinks.users), sinks)
             raise no_sdpa_form(module_path(user) or _where(user), True, f"cp={cp}")
         where = f" ({module_path(soft) or _where(soft)})" if soft is not None else ""
@@ -86,6 +88,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
             f"none{where}: run the model's attention through SDPA (transformers: attn_implementation='sdpa')")
     _check_loss_inputs(nodes, prog.mesh, cp)
+    _refuse_eager_attention(nodes, int(_arg(attn[0], 0).meta["val"].shape[-2]), cp)
     pos = [n for n in nodes if n.op == "placeholder" and "position_ids" in n.name]
     if len(pos) > 1:
         raise UnsupportedFeatureError(f"context parallelism (cp={cp}): the captured graph takes {len(pos)} position "
@@ -133,7 +136,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         q, k, v = _arg(n, 0), _arg(n, 1), _arg(n, 2)
         given = _arg(n, 3)
         val = given.meta.get("val") if isinstance(given, fx.Node) else None
-        if n.target in SDPA and isinstance(val, torch.Tensor) and val.is_floating_point():
+        if n.target in SDPA + SINKS and isinstance(val, torch.Tensor) and val.is_floating_point():
             # transformers' SDPA masks are boolean: an additive one may carry a bias (ALiBi, a learned or dynamic
             # mask) that the whole sequence's causal mask would silently drop
             raise UnsupportedFeatureError(
@@ -150,6 +153,12 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
             vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, sdim, prog.ctx_id, cp))
             new += [kg, vg]
+            if n.target in SINKS:  # the sinks stay per head: one column beside the gathered keys
+                out = g.call_function(torch.ops.moe_cp.sink_attention.default,
+                                      (q, kg, vg, attention_arg(n, "sinks"), mask, False, _arg(n, 6)))
+                new.append(out)
+                _replace(g, n, out, new)
+                continue
             kwargs = {"scale": _arg(n, 6)}
             if _arg(n, 7, False):
                 kwargs["enable_gqa"] = True
@@ -174,16 +183,40 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             else:
                 out = g.call_function(F.scaled_dot_product_attention, (q, kg, vg), kwargs)
             new.append(out)
-        out.meta.update({k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        new_sorted = sorted(set(new), key=lambda x: list(g.nodes).index(x))
-        propagate_fake(new_sorted)
-        n.replace_all_uses_with(out)
-        g.erase_node(n)
+        _replace(g, n, out, new)
     g.eliminate_dead_code(is_impure_node=_keeps)
     if synthesized:
         _refuse_length_positions(g, shard, prog, cp)
     gm.recompile()
     return gm
+
+
+def _refuse_eager_attention(nodes: list[fx.Node], shard: int, cp: int) -> None:
+    """Attention computed as matmul-softmax beside the SDPA calls the pass rewrites (one layer of the user's
+    own, say) would mix the tokens of this rank's shard only: a softmax in an attention module over
+    [..., S/cp, S/cp] scores (S/cp + 1 with a sink column) is refused. It ran silently on the shard before."""
+    for n in nodes:
+        if n.op not in ("call_function", "call_method") or "softmax" not in str(n.target) or not n.args:
+            continue
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() < 3 or val.shape[-2] != shard \
+                or val.shape[-1] not in (shard, shard + 1) or not _has_attention_module([n]):
+            continue
+        where = module_path(n) or _where(n)
+        if val.shape[-1] == shard + 1:
+            raise no_sdpa_form(where, True, f"cp={cp}")
+        raise UnsupportedFeatureError(
+            f"{where}: attention computed as matmul-softmax under context parallelism (cp={cp}) would attend over "
+            f"this rank's sequence shard only{user_line(n)}: run it through scaled_dot_product_attention "
+            "(transformers: attn_implementation='sdpa'), or use cp=1")
+
+
+def _replace(g: fx.Graph, n: fx.Node, out: fx.Node, new: list[fx.Node]) -> None:
+    """``out`` (made of ``new``) takes the place of attention node ``n``."""
+    out.meta.update({k: v for k, v in n.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    propagate_fake(sorted(set(new), key=lambda x: list(g.nodes).index(x)))
+    n.replace_all_uses_with(out)
+    g.erase_node(n)
 
 
 def _refuse_length_positions(g: fx.Graph, shard: int, prog, cp: int) -> None:
