@@ -119,6 +119,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         ep_rank=ep_rank, ep_group_name=groups.ep_mp.group_name if groups else "local", transport=kind,
         cp_rank=groups.cp_rank if groups else 0, cp_length_positions=cp_length_positions(model) if spec.cp > 1 else {},
         cp_windows=cp_attention_windows(model) if spec.cp > 1 else {},
+        cp_chunks=cp_attention_chunks(model) if spec.cp > 1 else {},
         codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}
@@ -156,8 +157,9 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     return CompiledMoE(model, program, groups, ddp, compiled, baked)
 
 
-# layer kinds context parallelism reproduces exactly (sliding windows: the attention mask's, cp_attention_windows)
-CP_LAYER_KINDS = ("full_attention", "attention", "moe", "sliding_attention")
+# layer kinds context parallelism reproduces exactly (sliding windows and chunks: the attention mask's,
+# cp_attention_windows and cp_attention_chunks)
+CP_LAYER_KINDS = ("full_attention", "attention", "moe", "sliding_attention", "chunked_attention")
 
 
 def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
@@ -176,7 +178,8 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     # attention, SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
-    other = sorted({k for k in kinds if k not in CP_LAYER_KINDS})
+    other = sorted({k for k in kinds if k not in CP_LAYER_KINDS
+                    or (k == "chunked_attention" and not getattr(cfg, "attention_chunk_size", None))})
     if other or (getattr(cfg, "attention_chunk_size", None) and not types):
         layers = [i for i, t in enumerate(kinds) if t in other]
         raise UnsupportedFeatureError(
@@ -209,6 +212,16 @@ def cp_attention_windows(model: nn.Module) -> dict[str, int]:
     if not types:
         return {"*": int(window)}
     return {str(i): int(window) for i, t in enumerate(types) if "sliding" in str(t)}
+
+
+def cp_attention_chunks(model: nn.Module) -> dict[str, int]:
+    """Chunked attention under context parallelism (Llama 4): decoder layer index → ``config.attention_chunk_size``
+    on the layers whose ``config.layer_types`` entry is "chunked_attention" (each query attends causally
+    within its chunk; moe_cp::causal_mask applies it over the whole sequence)."""
+    cfg = getattr(model, "config", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    types = getattr(cfg, "layer_types", None) or []
+    return {str(i): int(chunk) for i, t in enumerate(types) if t == "chunked_attention"} if chunk else {}
 
 
 def cp_length_positions(model: nn.Module) -> dict[str, int]:

@@ -39,6 +39,7 @@ class Program:
     # (passes/cp_positions.py rewrites them to the shard's global ones)
     cp_length_positions: dict[str, int] = field(default_factory=dict)
     cp_windows: dict[str, int] = field(default_factory=dict)  # cp > 1: decoder layer ("*": all) → sliding window
+    cp_chunks: dict[str, int] = field(default_factory=dict)  # cp > 1: decoder layer → attention chunk (Llama 4)
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
     tied_copies: set = field(default_factory=set)  # names of weights tied across stages another rank also holds

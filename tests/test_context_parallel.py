@@ -248,7 +248,7 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
 
     conv = _model("tiny")
     conv.layers[0].mix = torch.nn.Conv1d(conv.config.d_model, conv.config.d_model, 3, padding=2)
-    for model in (tiny_family_model("qwen3_next", seed=0), tiny_family_model("llama4_text", seed=0), conv):
+    for model in (tiny_family_model("qwen3_next", seed=0), tiny_family_model("deepseek_v32", seed=0), conv):
         try:  # token mixers other than full causal attention would see one rank's shard only
             moe_compile(model, spec)
         except UnsupportedFeatureError as e:
@@ -362,6 +362,38 @@ def test_cp2_sliding_window_attention():
     window 4 over 32 tokens the dense losses differ from full attention's by 1e-4 to 2e-2; loss and every
     gradient as the dense model's."""
     for out in run_ranks(window_worker, 2):
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
+def chunks_worker(rank: int, world: int) -> dict:
+    """cp=2, Llama 4 with attention chunks of 4 over 32 tokens (layer 0 chunked with RoPE, layer 1 full NoPE
+    attention): a plain batch, a left-padded one (chunks start after the padding) and packed sequences
+    (chunks start at each sequence's position 0); the dense loss of the plain batch with chunks of 32."""
+    from moe_compile.models.hf import tiny_family_model
+
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    b = make_batches(1, 2, 32, seed=9)[0] % 200
+    left = torch.ones_like(b)
+    left[1, :7] = 0
+    packed = torch.stack([torch.cat([torch.arange(11), torch.arange(21)]), torch.arange(32)])
+    out = {}
+    for case, kw in (("plain", {}), ("left_padding", {"attention_mask": left}), ("packed", {"position_ids": packed})):
+        model = tiny_family_model("llama4_text", seed=0, attention_chunk_size=4, no_rope_layers=[1, 0])
+        labels = b.masked_fill(kw.get("attention_mask", torch.ones_like(b)) == 0, -100)
+        out[case] = against_dense(model, spec, input_ids=b, labels=labels, use_cache=False, **kw)
+    whole = tiny_family_model("llama4_text", seed=0, attention_chunk_size=32, no_rope_layers=[1, 0])
+    out["unchunked"] = whole(input_ids=b, labels=b, use_cache=False).loss.item()
+    return out
+
+
+def test_cp2_chunked_attention():
+    """Refused before: Llama 4's chunked attention layers under context parallelism. The CP mask applies
+    the config's attention_chunk_size on its chunked layers over the whole sequence, from the left padding
+    on and per packed sequence as transformers' chunked mask does; loss and every gradient as the dense
+    model's."""
+    for out in run_ranks(chunks_worker, 2):
+        assert abs(out["plain"][1] - out.pop("unchunked")) > 1e-3, out  # the chunks change the loss
         for case, (got, want, err) in out.items():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
@@ -521,7 +553,7 @@ def test_context_parallel_bad_input_is_a_clear_error():
         assert msgs[0] <= TOL * 6, msgs[0]  # the dense model's loss (≈ 5.5), its blocks' aux losses included
         assert msgs[1] == "accepted at pp > 1"
         assert "layers of kind ['linear_attention']" in msgs[2]
-        assert "layers of kind ['chunked_attention']" in msgs[3]
+        assert "layers of kind ['indexed_attention']" in msgs[3]
         assert "layers.0.mix is a convolution" in msgs[4]
         assert "sequence length 10 is not divisible by 2·cp = 4" in msgs[5]
         assert "attention_mask must be the 2-D padding mask of input_ids' shape (2, 8) (got (2, 1, 8, 8))" in msgs[6]

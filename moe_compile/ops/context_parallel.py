@@ -88,13 +88,15 @@ def _(like, seq, cp, rank):
 
 @torch.library.custom_op("moe_cp::causal_mask", mutates_args=())
 def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: int, rank: int,
-                packed: bool, window: int) -> torch.Tensor:
+                packed: bool, window: int, chunk: int) -> torch.Tensor:
     """[b, 1, seq/cp, seq] boolean mask of CP rank ``rank``'s queries over the CP group's gathered keys
     (rank-major shards), transformers' causal mask over the whole sequence: key token ≤ query token (by
     global token index), fewer than ``window`` tokens before the query when ``window`` > 0 (sliding-window
-    attention), within one packed sequence when ``packed`` (a new one starts where the gathered position
-    ids ``kpos`` [b, seq], back in sequence order, do not step by 1), and not a padding key (``kvalid``
-    [b, seq], the gathered attention_mask, 0 at padding)."""
+    attention), in the query's chunk of ``chunk`` tokens when ``chunk`` > 0 (chunked attention: Llama 4;
+    chunks start after the sequence's left padding, or at each packed sequence's position 0), within one
+    packed sequence when ``packed`` (a new one starts where the gathered position ids ``kpos`` [b, seq], back
+    in sequence order, do not step by 1), and not a padding key (``kvalid`` [b, seq], the gathered
+    attention_mask, 0 at padding)."""
     from ..runtime.context_parallel import shard_positions
 
     dev = kpos.device
@@ -105,6 +107,17 @@ def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: i
     if window > 0:
         m = m & (qidx[:, None] - kidx[None, :] < window)
     m = m.expand(b, -1, -1)
+    if chunk > 0:
+        if packed:  # transformers maps the chunk rule onto the position ids of packed sequences
+            kc = kpos.expand(b, -1) // chunk
+            qc = kc[:, rank * (seq // cp):(rank + 1) * (seq // cp)]  # this rank's shard, gathered in rank order
+        else:  # chunks start after each sequence's left padding (masking_utils.create_chunked_causal_mask)
+            lead = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            if kvalid is not None:
+                ordered = kvalid.expand(b, -1)[:, torch.argsort(kidx)]
+                lead = (ordered.cumsum(-1) == 0).sum(-1, keepdim=True)
+            kc, qc = (kidx[None, :] - lead) // chunk, (qidx[None, :] - lead) // chunk
+        m = m & (kc[:, None, :] == qc[:, :, None])
     if packed:
         in_order = kpos.expand(b, -1)[:, torch.argsort(kidx)]
         seg = (torch.diff(in_order, prepend=in_order[:, :1] - 1, dim=-1) != 1).cumsum(-1)
@@ -115,7 +128,7 @@ def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: i
 
 
 @causal_mask.register_fake
-def _(kpos, kvalid, seq, cp, rank, packed, window):
+def _(kpos, kvalid, seq, cp, rank, packed, window, chunk):
     b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
     return kpos.new_empty((b, 1, seq // cp, seq), dtype=torch.bool)
 

@@ -19,7 +19,8 @@ neither none (bidirectional). Attention with sinks (GPT-OSS & co., which have no
 are. A graph with no such node (the eager matmul-softmax form) or with dropout in attention is refused,
 naming the module; a pipeline stage with no attention module at all (MoE and MLP
 layers only) is left as it is. Sliding-window layers (api.cp_attention_windows: the config's
-window on its sliding layers) get the window in the same mask, by global token index.
+window on its sliding layers) get the window in the same mask, by global token index, and chunked
+layers (api.cp_attention_chunks: Llama 4's attention_chunk_size) their chunks.
 
 ``moe-compile explain`` captures on the meta device with SDPA as a fused kernel (the CPU flash kernel, or
 the memory-efficient one: attention_ops; what a rank saves, not the math path's probabilities): those
@@ -104,7 +105,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         propagate_fake([pos])
     seq = int(_arg(attn[0], 1).meta["val"].shape[-2]) * cp
     pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
-    masks: dict[tuple[bool, int], fx.Node] = {}  # (the model made the mask, window) → the CP mask; built once
+    masks: dict[tuple[bool, int, int], fx.Node] = {}  # (the model made the mask, window, chunk) → the CP mask
 
     gathered: dict[str, fx.Node] = {}  # position ids / padding mask gathered over the group: once per graph
 
@@ -115,18 +116,18 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             propagate_fake([gathered[name]])
         return gathered[name]
 
-    def mask_for(model_made: bool, window: int, at: fx.Node) -> fx.Node:
-        if (model_made, window) not in masks:  # before its first user (attention nodes come in graph order)
+    def mask_for(model_made: bool, window: int, chunk: int, at: fx.Node) -> fx.Node:
+        if (model_made, window, chunk) not in masks:  # before its first user (attention nodes come in graph order)
             kpos = gather("pos", pos, at)
             kvalid = gather("pad", pad, at) if model_made and pad is not None else None
             # transformers packs sequences by restarting position ids only when no attention_mask is given
             packed = model_made and pad is None and pos.op == "placeholder"
             with g.inserting_before(at):
                 mask = g.call_function(torch.ops.moe_cp.causal_mask.default,
-                                       (kpos, kvalid, seq, cp, prog.cp_rank, packed, window))
+                                       (kpos, kvalid, seq, cp, prog.cp_rank, packed, window, chunk))
             propagate_fake([mask])
-            masks[(model_made, window)] = mask
-        return masks[(model_made, window)]
+            masks[(model_made, window, chunk)] = mask
+        return masks[(model_made, window, chunk)]
 
     for n in attn:
         dropout = _arg(n, 4, 0.0)
@@ -147,7 +148,8 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         model_made = given is not None
         causal = model_made or bool(_arg(n, 5, False))
         sdim = len(k.meta["val"].shape) - 2
-        mask = mask_for(model_made, _window(n, prog.cp_windows), n) if causal else None
+        mask = mask_for(model_made, _per_layer(n, prog.cp_windows, "the sliding window"),
+                        _per_layer(n, prog.cp_chunks, "the attention chunk"), n) if causal else None
         new: list[fx.Node] = []
         with g.inserting_before(n):
             kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
@@ -238,19 +240,20 @@ def _refuse_length_positions(g: fx.Graph, shard: int, prog, cp: int) -> None:
             "position_ids and use them, or use cp=1")
 
 
-def _window(n: fx.Node, windows: dict[str, int]) -> int:
-    """The sliding window of ``n``'s decoder layer (0: none; api.cp_attention_windows)."""
-    if not windows:
+def _per_layer(n: fx.Node, table: dict[str, int], what: str) -> int:
+    """The sliding window or attention chunk of ``n``'s decoder layer (0: none; api.cp_attention_windows,
+    api.cp_attention_chunks)."""
+    if not table:
         return 0
-    if "*" in windows:
-        return windows["*"]
+    if "*" in table:
+        return table["*"]
     m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", module_path(n) or "")
     if m is None:
         raise UnsupportedFeatureError(
-            f"{_where(n)}: context parallelism (cp) applies the sliding window of config.layer_types per decoder "
-            f"layer ({sorted(windows, key=int)} slide), but this attention's layer cannot be told from its module "
-            f"path{user_line(n)}; use cp=1")
-    return windows.get(m.group(1), 0)
+            f"{_where(n)}: context parallelism (cp) applies {what} of config.layer_types per decoder layer (layers "
+            f"{sorted(table, key=int)}), but this attention's layer cannot be told from its module path{user_line(n)}; "
+            "use cp=1")
+    return table.get(m.group(1), 0)
 
 
 def _reads(nodes: list[fx.Node], pattern: str) -> bool:
