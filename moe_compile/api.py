@@ -160,6 +160,15 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
 # layer kinds context parallelism reproduces exactly (sliding windows and chunks: the attention mask's,
 # cp_attention_windows and cp_attention_chunks)
 CP_LAYER_KINDS = ("full_attention", "attention", "moe", "sliding_attention", "chunked_attention")
+# layer kinds whose token mixing is attention and short causal convolutions (LFM2, Inkling): admitted when
+# every convolution of the model is one (cp_convs)
+CONV_LAYER_KINDS = ("conv", "hybrid", "hybrid_sliding")
+
+
+def _short_causal_conv(m: nn.Module) -> bool:
+    """A depthwise Conv1d with stride 1, dilation 1 and padding kernel − 1 (the causal short convolution)."""
+    return (isinstance(m, nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.stride == (1,)
+            and m.dilation == (1,) and m.padding == (m.kernel_size[0] - 1,))
 
 
 def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
@@ -178,7 +187,12 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     # attention, SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
-    other = sorted({k for k in kinds if k not in CP_LAYER_KINDS
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
+    other_conv = next((n for n, m in convs if not _short_causal_conv(m)), None)
+    # short causal convolutions (passes/cp_convs.py) make LFM2's conv layers and Inkling's hybrid ones
+    # (attention with convolved keys and values) whole; no other conv may be there to mix tokens
+    admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if convs and other_conv is None else ())
+    other = sorted({k for k in kinds if k not in admitted
                     or (k == "chunked_attention" and not getattr(cfg, "attention_chunk_size", None))})
     if other or (getattr(cfg, "attention_chunk_size", None) and not types):
         layers = [i for i, t in enumerate(kinds) if t in other]
@@ -186,11 +200,11 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
             "under context parallelism: only full causal attention is sharded exactly, these would mix tokens "
             "within one rank's shard only; use cp=1")
-    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
-    if convs:
+    if other_conv is not None:
         raise UnsupportedFeatureError(
-            f"mesh {spec}: {convs[0]} is a convolution (token mixing over the sequence, {len(convs)} such modules) "
-            "that would see one rank's shard only under context parallelism; use cp=1")
+            f"mesh {spec}: {other_conv} is a convolution (token mixing over the sequence) that would see one "
+            "rank's shard only under context parallelism: only short causal ones (depthwise, stride 1, "
+            "dilation 1, padding kernel − 1) are made whole; use cp=1")
     if getattr(model, "_supports_sdpa", True) is False and sink_parameter(model) is None:
         # transformers has no SDPA form of its attention, and it holds no sinks (those run as
         # moe_cp::sink_attention: models/hf_sinks.py). Refused here, not per stage: a pipeline stage whose

@@ -337,23 +337,31 @@ def test_cp2_padding_and_packed_sequences():
         assert abs(out["packed"][1] - out["packed_with_a_mask"][1]) > 1e-3, out  # the case tests something
 
 
-def window_worker(rank: int, world: int) -> dict:
-    """cp=2, sliding window 4 over 32 tokens: Mixtral (every layer slides), Gemma 4 and EXAONE-MoE (sliding
-    and full layers alternate), Mixtral on a left-padded batch too."""
+def _padded_cases(world: int, seed: int, cases, **config) -> dict:
+    """cp=2, 2 sequences of 32 tokens: each (case, family, padded) against the dense model of a tiny
+    ``family`` config (``config`` overrides), the second sequence left-padded by 9 where ``padded``."""
     from moe_compile.models.hf import tiny_family_model
 
     spec = MeshSpec.parse("cp=2").resolve(world)
-    b = make_batches(1, 2, 32, seed=7)[0]
+    b = make_batches(1, 2, 32, seed=seed)[0]
     left = torch.ones_like(b)
     left[1, :9] = 0
     out = {}
-    for case, family, kw in (("mixtral", "mixtral", {}), ("gemma4_text", "gemma4_text", {}),
-                             ("exaone_moe", "exaone_moe", {}), ("mixtral_padded", "mixtral", {"attention_mask": left})):
-        model = tiny_family_model(family, seed=0, sliding_window=4)
+    for case, family, padded in cases:
+        model = tiny_family_model(family, seed=0, **config)
         x = b % model.config.vocab_size
+        kw = {"attention_mask": left} if padded else {}
         labels = x.masked_fill(kw.get("attention_mask", torch.ones_like(x)) == 0, -100)
         out[case] = against_dense(model, spec, input_ids=x, labels=labels, use_cache=False, **kw)
     return out
+
+
+def window_worker(rank: int, world: int) -> dict:
+    """cp=2, sliding window 4 over 32 tokens: Mixtral (every layer slides), Gemma 4 and EXAONE-MoE (sliding
+    and full layers alternate), Mixtral on a left-padded batch too."""
+    return _padded_cases(world, 7, (("mixtral", "mixtral", False), ("gemma4_text", "gemma4_text", False),
+                                    ("exaone_moe", "exaone_moe", False), ("mixtral_padded", "mixtral", True)),
+                         sliding_window=4)
 
 
 def test_cp2_sliding_window_attention():
@@ -398,25 +406,58 @@ def test_cp2_chunked_attention():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
 
+def convs_worker(rank: int, world: int) -> dict:
+    """cp=2: LFM2-MoE (short causal convolution layers beside attention layers) on a plain and a
+    left-padded batch, against the dense model; Zaya (convolutions without padding, a delayed value state)
+    refused."""
+    from moe_compile.models.hf import tiny_family_model
+
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    b = make_batches(1, 2, 32, seed=10)[0] % 200
+    left = torch.ones_like(b)
+    left[1, :5] = 0
+    out = {}
+    for case, kw in (("plain", {}), ("left_padding", {"attention_mask": left})):
+        model = tiny_family_model("lfm2_moe", seed=0)
+        out["kernel"] = model.model.layers[0].conv.conv.kernel_size[0]
+        labels = b.masked_fill(kw.get("attention_mask", torch.ones_like(b)) == 0, -100)
+        out[case] = against_dense(model, spec, input_ids=b, labels=labels, use_cache=False, **kw)
+    try:
+        moe_compile(tiny_family_model("zaya", seed=0), spec)
+    except UnsupportedFeatureError as e:
+        out["zaya"] = str(e)
+    return out
+
+
+def test_cp2_short_causal_convolutions():
+    """Refused before: LFM2's convolution layers under context parallelism. Each short causal convolution
+    (kernel 3 here; tokens at every shard boundary read the last tokens of another rank's chunk) convolves
+    the CP group's gathered input in sequence order and keeps this rank's tokens (passes/cp_convs.py); loss
+    and every gradient as the dense model's. Other convolutions are still refused."""
+    for out in run_ranks(convs_worker, 2):
+        assert out.pop("kernel") > 1 and "layers of kind ['hybrid']" in out.pop("zaya"), out
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
+def test_pp2_cp2_short_causal_convolutions():
+    """pp=2 × cp=2: LFM2-MoE's first stage holds its convolution layer and no attention, so its graph has no
+    position ids to tell the shard's length from; the convolution was left on the shard (a gradient 110%
+    off, silently). The stage's token ids tell it now; loss and every gradient as the dense model's."""
+    from moe_compile.families import sweep_worker
+
+    for rank, results in enumerate(run_ranks(sweep_worker, 4, ["lfm2_moe"], "pp=2,cp=2")):
+        assert [r.status for r in results] == ["compiled"], (rank, [r.summary() for r in results])
+
+
 def sinks_worker(rank: int, world: int) -> dict:
     """cp=2, sliding window 4 over 32 tokens: attention with sinks (no SDPA form in transformers) as
     moe_cp::sink_attention: GPT-OSS (sliding and full layers alternate), on a left-padded batch too,
     MiMo-V2-Flash (sinks on its sliding layers only, value heads narrower than the query's) and
     GraniteMoE-SWA (the sink as a sigmoid scale of the output)."""
-    from moe_compile.models.hf import tiny_family_model
-
-    spec = MeshSpec.parse("cp=2").resolve(world)
-    b = make_batches(1, 2, 32, seed=8)[0]
-    left = torch.ones_like(b)
-    left[1, :9] = 0
-    out = {}
-    for case, family, kw in (("gpt_oss", "gpt_oss", {}), ("gpt_oss_padded", "gpt_oss", {"attention_mask": left}),
-                             ("mimo_v2_flash", "mimo_v2_flash", {}), ("granitemoe_swa", "granitemoe_swa", {})):
-        model = tiny_family_model(family, seed=0, sliding_window=4)
-        x = b % model.config.vocab_size
-        labels = x.masked_fill(kw.get("attention_mask", torch.ones_like(x)) == 0, -100)
-        out[case] = against_dense(model, spec, input_ids=x, labels=labels, use_cache=False, **kw)
-    return out
+    return _padded_cases(world, 8, (("gpt_oss", "gpt_oss", False), ("gpt_oss_padded", "gpt_oss", True),
+                                    ("mimo_v2_flash", "mimo_v2_flash", False),
+                                    ("granitemoe_swa", "granitemoe_swa", False)), sliding_window=4)
 
 
 def test_cp2_attention_with_sinks():

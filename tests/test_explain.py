@@ -141,19 +141,24 @@ def test_explain_saved_activations_at_cp2_match_a_real_step(tmp_path):
     assert planned["F_fwd_token"] == json.loads((tmp_path / "cp1" / "ledger.json").read_text())["F_fwd_token"]
 
 
+def _explain_family(tmp_path, family: str, mesh: str, seq: int) -> dict:
+    """ledger.json of `moe-compile explain` for ``family``'s tiny config (fp32, one sequence)."""
+    from moe_compile.models.hf import tiny_family_config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(tiny_family_config(family).to_json_string())
+    out = tmp_path / family
+    assert main(["explain", "--hf-config", str(cfg), "--mesh", mesh, "--seq-len", str(seq), "--batch-size", "1",
+                 "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
+    return json.loads((out / "ledger.json").read_text())
+
+
 def test_explain_attention_with_sinks_at_cp2(tmp_path):
     """GPT-OSS (attention sinks, no SDPA form) was refused at cp > 1. Its attention now runs as
     moe_cp::sink_attention, which explain reads as it reads SDPA: the context-parallel figures against
     the config by hand (2 layers, 4 query and 2 K/V heads of 16, S=64 in 2 shards, B=1, fp32), and the
     ledger's attention shapes from the same nodes (at cp=1 the eager form has none to read)."""
-    from moe_compile.models.hf import tiny_family_config
-
-    cfg = tmp_path / "config.json"
-    cfg.write_text(tiny_family_config("gpt_oss").to_json_string())
-    out = tmp_path / "gpt_oss"
-    assert main(["explain", "--hf-config", str(cfg), "--mesh", "dp=1,cp=2", "--seq-len", "64", "--batch-size", "1",
-                 "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
-    data = json.loads((out / "ledger.json").read_text())
+    data = _explain_family(tmp_path, "gpt_oss", "dp=1,cp=2", 64)
     layers, heads, kv_heads, hd, s, cp = 2, 4, 2, 16, 64, 2
     cpd = data["context_parallel"]
     assert cpd["all_gathers"] == 2 * layers  # K and V of each layer; not the attention nodes themselves
@@ -184,14 +189,9 @@ def test_explain_a_router_that_returns_logits_alone(tmp_path):
     """DBRX's router returns logits and its block's forward takes top-k: on meta tensors (explain, no probe
     batch) the block was installed as router-then-experts and its forward got a tuple where it wanted
     logits (a dynamo error). The router's output type is read on a meta batch now."""
-    from moe_compile.models.hf import tiny_family_config, tiny_family_model
+    from moe_compile.models.hf import tiny_family_model
 
-    cfg = tmp_path / "config.json"
-    cfg.write_text(tiny_family_config("dbrx").to_json_string())
-    out = tmp_path / "dbrx"
-    assert main(["explain", "--hf-config", str(cfg), "--mesh", "ep_mp=2,dp=2", "--seq-len", "32", "--batch-size", "1",
-                 "--dtype", "float32", "--out", str(out), "--no-png"]) == 0
-    data = json.loads((out / "ledger.json").read_text())
+    data = _explain_family(tmp_path, "dbrx", "ep_mp=2,dp=2", 32)
     assert data["P_total"] == sum(p.numel() for p in tiny_family_model("dbrx").parameters())
     assert data["R"] == 32 * data["symbols"]["K"] and data["C"] >= data["R"]
 

@@ -6,7 +6,9 @@
                                                 (all-reduce then slice: gloo has no reduce-scatter)
 
 K/V of attention travel through all_gather in forward and their gradients through reduce_scatter
-in backward (the all-gather form of context-parallel attention). Integer tensors (positions, the padding
+in backward (the all-gather form of context-parallel attention). ``moe_cp::to_sequence`` /
+``moe_cp::from_sequence`` put a gathered tensor in sequence order and back (a causal convolution over the
+whole sequence: passes/cp_convs.py). Integer tensors (positions, the padding
 mask) have no gradient; ``moe_cp::causal_mask`` makes the attention mask over the gathered keys from them. ``cp`` is the group size, so that fake kernels know the gathered shape.
 """
 
@@ -71,6 +73,47 @@ all_gather.register_autograd(_backward, setup_context=_setup)
 reduce_scatter.register_autograd(_backward_rs, setup_context=_setup)
 
 
+def _gathered_index(seq: int, cp: int, device) -> torch.Tensor:
+    """The global token index of each gathered position (rank-major shards)."""
+    from ..runtime.context_parallel import shard_positions
+
+    return torch.cat([shard_positions(seq, cp, r) for r in range(cp)]).to(device)
+
+
+@torch.library.custom_op("moe_cp::to_sequence", mutates_args=())
+def to_sequence(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """``x`` gathered over the CP group (rank-major shards along ``dim``) in sequence order; backward:
+    moe_cp::from_sequence (the inverse permutation)."""
+    return x.index_select(dim, torch.argsort(_gathered_index(x.shape[dim], cp, x.device)))
+
+
+@torch.library.custom_op("moe_cp::from_sequence", mutates_args=())
+def from_sequence(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """``x`` in sequence order along ``dim`` back in the gathered (rank-major) order: rank r's shard is
+    the r-th slice of S/cp; backward: moe_cp::to_sequence."""
+    return x.index_select(dim, _gathered_index(x.shape[dim], cp, x.device))
+
+
+@to_sequence.register_fake
+def _(x, dim, cp):
+    return torch.empty_like(x)
+
+
+@from_sequence.register_fake
+def _(x, dim, cp):
+    return torch.empty_like(x)
+
+
+def _setup_order(ctx, inputs, output):
+    ctx.dim, ctx.cp = inputs[1], inputs[2]
+
+
+to_sequence.register_autograd(lambda ctx, g: (torch.ops.moe_cp.from_sequence(g, ctx.dim, ctx.cp), None, None),
+                              setup_context=_setup_order)
+from_sequence.register_autograd(lambda ctx, g: (torch.ops.moe_cp.to_sequence(g, ctx.dim, ctx.cp), None, None),
+                                setup_context=_setup_order)
+
+
 @torch.library.custom_op("moe_cp::positions", mutates_args=())
 def positions(like: torch.Tensor, seq: int, cp: int, rank: int) -> torch.Tensor:
     """[1, seq/cp] global positions of CP rank ``rank``'s tokens (runtime.context_parallel.shard_positions),
@@ -100,7 +143,7 @@ def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: i
     from ..runtime.context_parallel import shard_positions
 
     dev = kpos.device
-    kidx = torch.cat([shard_positions(seq, cp, r) for r in range(cp)]).to(dev)
+    kidx = _gathered_index(seq, cp, dev)
     qidx = shard_positions(seq, cp, rank).to(dev)
     b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
     m = kidx[None, :] <= qidx[:, None]

@@ -9,6 +9,7 @@ import torch.fx as fx
 from ..ir import Stage, set_stage
 from .base import MoEPass, PassContext, PassRecord, op_counts, require_stage
 from .context_parallel import context_parallel_attention
+from .cp_convs import cp_causal_convs
 from .cp_positions import cp_shard_positions
 from .index_bounds import index_bounds
 from .insert_dispatch_combine import insert_dispatch_combine
@@ -17,7 +18,7 @@ from .partition_experts import partition_experts
 from .plan_leases import plan_leases
 from .verify import verify
 
-FORWARD_PASSES: list[MoEPass] = [index_bounds, context_parallel_attention, cp_shard_positions, partition_experts,
+FORWARD_PASSES: list[MoEPass] = [index_bounds, context_parallel_attention, cp_shard_positions, cp_causal_convs, partition_experts,
                                  insert_dispatch_combine]
 JOINT_PASSES: list[MoEPass] = [mxfp8_casts, plan_leases]
 

@@ -1,0 +1,126 @@
+"""cp_causal_convs — a causal convolution over the sequence sees the whole sequence (cp > 1).
+
+Glossary: C / CP, S. Short causal convolutions (LFM2's conv layers, Inkling's key and value
+convolutions: depthwise, kernel k, padding k − 1, the output's first tokens kept) mix each token with the
+k − 1 before it, which under context parallelism lie on another rank at every shard boundary (a shard
+is chunks r and 2cp−1−r of 2cp). This pass gathers such a convolution's input over the CP group,
+convolves the whole sequence in sequence order and keeps this rank's tokens:
+
+    xs = moe_cp::to_sequence(moe_cp::all_gather(x, seq dim))            [B, C, S]
+    y  = conv1d(xs, w, b, padding=k−1, groups)[..., :S]
+    y' = pad(moe_cp::from_sequence(y)[..., r·S/cp : (r+1)·S/cp], (0, k−1))
+
+y' has the shape of the node it replaces, whose users keep its first S/cp positions as before; backward
+reduce-scatters the input's gradient. A conv1d over the shard's sequence that is not of this form
+(strided, dilated, not padded by k − 1, or read past the shard's first S/cp outputs) is refused, naming
+its module. api._check_context_parallel admits models whose every Conv1d is such a short causal one.
+
+Requires DENSE, ensures DENSE. A no-op at cp = 1.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..errors import UnsupportedFeatureError
+from ..ir import Stage
+from ..viz.graph import module_path
+from .base import PassContext, moe_pass, propagate_fake, user_line
+
+CONV1D = (torch.conv1d, F.conv1d, torch.ops.aten.conv1d.default)
+_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def _args(n: fx.Node) -> dict:
+    got = dict(_DEFAULTS)
+    got.update(zip(_NAMES, n.args))
+    got.update(n.kwargs)
+    return got
+
+
+def _one(v) -> object:
+    return v[0] if isinstance(v, list | tuple) and len(v) == 1 else v
+
+
+def _shard_length(nodes: list[fx.Node], cp: int) -> int | None:
+    """S/cp: from the position ids or token ids the graph takes, the positions the CP pass made for it,
+    or (a later pipeline stage of convolution layers only) the [B, S/cp, d] hidden states it receives."""
+    vals = [(n, n.meta.get("val")) for n in nodes if n.op == "placeholder"]
+    for n, v in vals:
+        if isinstance(v, torch.Tensor) and ("position_ids" in n.name or "input_ids" in n.name):
+            return int(v.shape[-1])
+    for n in nodes:
+        if n.op == "call_function" and n.target is torch.ops.moe_cp.positions.default:
+            return int(n.args[1]) // cp
+    hidden = [v for _, v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 3]
+    return int(hidden[0].shape[1]) if hidden else None
+
+
+def _reads_prefix(user: fx.Node, n: fx.Node, length: int) -> bool:
+    """Whether ``user`` keeps the first ``length`` (or fewer) positions of the last axis of ``n`` only."""
+    if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not n:
+        return False
+    idx = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+    *lead, last = idx
+    whole = slice(None)
+    return (all(i == whole or i is Ellipsis for i in lead) and len(lead) == 2 and isinstance(last, slice)
+            and last.start in (None, 0) and last.step in (None, 1) and isinstance(last.stop, int)
+            and 0 < last.stop <= length)
+
+
+@moe_pass(requires=Stage.DENSE, ensures=Stage.DENSE)
+def cp_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    prog = ctx.program
+    cp = prog.mesh.cp
+    if cp == 1:
+        return gm
+    g = gm.graph
+    nodes = list(g.nodes)
+    convs = [n for n in nodes if n.op == "call_function" and n.target in CONV1D]
+    if not convs:
+        return gm
+    shard = _shard_length(nodes, cp)
+    for n in convs:
+        a = _args(n)
+        x, w = a["input"], a["weight"]
+        xv, wv = x.meta["val"], w.meta["val"]
+        if shard is None:
+            raise UnsupportedFeatureError(
+                f"{module_path(n) or n.name}: a convolution under context parallelism (cp={cp}) in a graph whose "
+                f"sequence shard length cannot be told (no position ids, token ids or hidden states){user_line(n)}; "
+                "use cp=1")
+        if xv.dim() != 3 or xv.shape[-1] != shard:
+            raise UnsupportedFeatureError(
+                f"{module_path(n) or n.name}: a convolution over an axis of {xv.shape[-1]} under context parallelism "
+                f"(cp={cp}), not this rank's sequence shard of {shard} tokens{user_line(n)}: only short causal "
+                "convolutions over the sequence are made whole; use cp=1")
+        k = int(wv.shape[-1])
+        causal = _one(a["stride"]) == 1 and _one(a["dilation"]) == 1 and _one(a["padding"]) == k - 1
+        if not causal or not n.users or not all(_reads_prefix(u, n, shard) for u in n.users):
+            raise UnsupportedFeatureError(
+                f"{module_path(n) or n.name}: a convolution over the sequence under context parallelism (cp={cp}) "
+                f"that is not a short causal one (stride 1, dilation 1, padding kernel − 1 = {k - 1}, its first "
+                f"S/cp outputs kept; here stride {a['stride']}, dilation {a['dilation']}, padding {a['padding']})"
+                f"{user_line(n)}: it would see this rank's shard only; use cp=1")
+        seq = shard * cp
+        with g.inserting_before(n):
+            gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 2, prog.ctx_id, cp))
+            whole = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, 2, cp))
+            conv = g.call_function(n.target, (whole, *n.args[1:]), dict(n.kwargs))
+            kept = g.call_function(torch.narrow, (conv, 2, 0, seq))
+            ranked = g.call_function(torch.ops.moe_cp.from_sequence.default, (kept, 2, cp))
+            mine = g.call_function(torch.narrow, (ranked, 2, prog.cp_rank * shard, shard))
+            out = g.call_function(F.pad, (mine, (0, k - 1)))
+        new = [gathered, whole, conv, kept, ranked, mine, out]
+        for m in new:
+            m.meta.update({key: v for key, v in n.meta.items() if key in ("nn_module_stack", "stack_trace")})
+        propagate_fake(new)
+        n.replace_all_uses_with(out)
+        g.erase_node(n)
+    gm.recompile()
+    return gm
