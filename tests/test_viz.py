@@ -16,6 +16,7 @@ from moe_compile.errors import OptionError
 from moe_compile.ir import MOE_META, MoENodeMeta, Role
 from moe_compile.leases import LeasePlan, Payload
 from moe_compile.ledger import SYMBOLS, evaluate
+from moe_compile.passes import FORWARD_PASSES
 from moe_compile.viz import (
     Picture,
     Reduction,
@@ -28,6 +29,9 @@ from moe_compile.viz import (
 )
 
 from .common import build_model, make_batches
+
+# the debug dump's name of the dispatch/combine pass: its index in the forward pass list, then its name
+DISPATCH_PASS = next(f"{i:02d}_{p.name}" for i, p in enumerate(FORWARD_PASSES) if p.name == "insert_dispatch_combine")
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -176,8 +180,8 @@ def test_debug_dumps_render_before_and_after_pictures(tmp_path):
     ids = make_batches(1)[0]
     with torch.no_grad():
         cm(input_ids=ids)
-    after = tmp_path / "fwd_04_insert_dispatch_combine_after"
-    before = tmp_path / "fwd_04_insert_dispatch_combine_before"
+    after = tmp_path / f"fwd_{DISPATCH_PASS}_after"
+    before = tmp_path / f"fwd_{DISPATCH_PASS}_before"
     text = after.with_suffix(".py").read_text()
     added, removed = text.splitlines()[1:3]
     assert added.startswith("# nodes added: [") and "'dispatch_default:dispatch'" in added
@@ -246,7 +250,7 @@ def test_debug_pictures_without_dot_write_sources_and_warn_once(tmp_path, no_dot
     with pytest.warns(UserWarning, match="`dot` program") as caught, torch.no_grad():
         cm(input_ids=ids)
     assert len([w for w in caught if "`dot` program" in str(w.message)]) == 1
-    after = tmp_path / "dbg" / "fwd_04_insert_dispatch_combine_after"
+    after = tmp_path / "dbg" / f"fwd_{DISPATCH_PASS}_after"
     assert after.with_suffix(".py").exists() and "moe-dispatch" in after.with_suffix(".dot").read_text()
     assert not list((tmp_path / "dbg").glob("*.svg"))
     cm.close()
@@ -265,5 +269,5 @@ def test_debug_dumps_of_several_ranks_go_to_their_own_subdirectories(tmp_path):
 
     run_ranks(debug_dir_worker, 2, str(tmp_path))
     for r in range(2):
-        assert (tmp_path / f"rank{r}" / "fwd_04_insert_dispatch_combine_after.py").exists(), sorted(tmp_path.iterdir())
+        assert (tmp_path / f"rank{r}" / f"fwd_{DISPATCH_PASS}_after.py").exists(), sorted(tmp_path.iterdir())
     assert not list(tmp_path.glob("*.py"))
