@@ -189,8 +189,8 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
     other_conv = next((n for n, m in convs if not _short_causal_conv(m)), None)
-    # short causal convolutions (passes/cp_convs.py) make LFM2's conv layers and Inkling's hybrid ones
-    # (attention with convolved keys and values) whole; no other conv may be there to mix tokens
+    # short causal convolutions (passes/cp_convs.py) make LFM2's conv layers whole, and the convolved keys and
+    # values of Inkling's hybrid layers (whose attention the CP pass then judges); no other conv may mix tokens
     admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if convs and other_conv is None else ())
     other = sorted({k for k in kinds if k not in admitted
                     or (k == "chunked_attention" and not getattr(cfg, "attention_chunk_size", None))})

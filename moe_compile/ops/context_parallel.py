@@ -144,6 +144,7 @@ def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: i
 
     dev = kpos.device
     kidx = _gathered_index(seq, cp, dev)
+    order = torch.argsort(kidx)  # gathered keys back in sequence order
     qidx = shard_positions(seq, cp, rank).to(dev)
     b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
     m = kidx[None, :] <= qidx[:, None]
@@ -157,12 +158,12 @@ def causal_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: i
         else:  # chunks start after each sequence's left padding (masking_utils.create_chunked_causal_mask)
             lead = torch.zeros(b, 1, dtype=torch.long, device=dev)
             if kvalid is not None:
-                ordered = kvalid.expand(b, -1)[:, torch.argsort(kidx)]
+                ordered = kvalid.expand(b, -1)[:, order]
                 lead = (ordered.cumsum(-1) == 0).sum(-1, keepdim=True)
             kc, qc = (kidx[None, :] - lead) // chunk, (qidx[None, :] - lead) // chunk
         m = m & (kc[:, None, :] == qc[:, :, None])
     if packed:
-        in_order = kpos.expand(b, -1)[:, torch.argsort(kidx)]
+        in_order = kpos.expand(b, -1)[:, order]
         seg = (torch.diff(in_order, prepend=in_order[:, :1] - 1, dim=-1) != 1).cumsum(-1)
         m = m & (seg[:, kidx][:, None, :] == seg[:, qidx][:, :, None])
     if kvalid is not None:

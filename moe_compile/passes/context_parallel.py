@@ -89,12 +89,13 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             f"context parallelism (cp={cp}) rewrites scaled_dot_product_attention, but the captured graph has "
             f"none{where}: run the model's attention through SDPA (transformers: attn_implementation='sdpa')")
     _check_loss_inputs(nodes, prog.mesh, cp)
-    _refuse_eager_attention(nodes, int(_arg(attn[0], 0).meta["val"].shape[-2]), cp)
+    shard = int(_arg(attn[0], 0).meta["val"].shape[-2])  # S/cp: the queries' length
+    _refuse_eager_attention(nodes, shard, cp)
     pos = [n for n in nodes if n.op == "placeholder" and "position_ids" in n.name]
     if len(pos) > 1:
         raise UnsupportedFeatureError(f"context parallelism (cp={cp}): the captured graph takes {len(pos)} position "
                                       "id inputs; expected one")
-    synthesized, shard = not pos, int(_arg(attn[0], 0).meta["val"].shape[-2])
+    synthesized = not pos
     if pos:
         pos = pos[0]
     else:  # a later pipeline stage, or a model without positions (NoPE: Nemotron-H, granitemoehybrid with

@@ -67,8 +67,7 @@ def _reads_prefix(user: fx.Node, n: fx.Node, length: int) -> bool:
         return False
     idx = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
     *lead, last = idx
-    whole = slice(None)
-    return (all(i == whole or i is Ellipsis for i in lead) and len(lead) == 2 and isinstance(last, slice)
+    return (lead in ([slice(None)] * 2, [Ellipsis]) and isinstance(last, slice)
             and last.start in (None, 0) and last.step in (None, 1) and isinstance(last.stop, int)
             and 0 < last.stop <= length)
 

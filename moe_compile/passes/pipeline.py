@@ -18,8 +18,8 @@ from .partition_experts import partition_experts
 from .plan_leases import plan_leases
 from .verify import verify
 
-FORWARD_PASSES: list[MoEPass] = [index_bounds, context_parallel_attention, cp_shard_positions, cp_causal_convs, partition_experts,
-                                 insert_dispatch_combine]
+FORWARD_PASSES: list[MoEPass] = [index_bounds, context_parallel_attention, cp_shard_positions, cp_causal_convs,
+                                 partition_experts, insert_dispatch_combine]
 JOINT_PASSES: list[MoEPass] = [mxfp8_casts, plan_leases]
 
 
