@@ -22,6 +22,7 @@ from .frontend.baked_attrs import baked_attrs
 from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
+from .models.hf_indexed import indexed_attention_modules, use_indexed_attention
 from .models.hf_sinks import sink_parameter, use_sink_attention
 from .options import CompileOptions, schedule_without_pipeline
 from .program import Program
@@ -80,6 +81,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     if spec.cp > 1:
         _check_context_parallel(model, spec)
         use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
+        use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
@@ -183,15 +185,16 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
                 f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
                 f"parallelism ({why}) would use one sequence shard's router statistics; set "
                 "output_router_logits=False or use cp=1")
-    # Only (sliding-window) causal attention is made whole across the shards; any other token mixer (linear
-    # attention, SSM / conv layers, chunked or indexed attention) would run on this rank's shard alone.
+    # Only (sliding-window, chunked or indexed) causal attention is made whole across the shards; any other
+    # token mixer (linear attention, SSM / conv layers) would run on this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
     other_conv = next((n for n, m in convs if not _short_causal_conv(m)), None)
     # short causal convolutions (passes/cp_convs.py) make LFM2's conv layers whole, and the convolved keys and
     # values of Inkling's hybrid layers (whose attention the CP pass then judges); no other conv may mix tokens
-    admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if convs and other_conv is None else ())
+    admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if convs and other_conv is None else ()) \
+        + (("indexed_attention",) if indexed_attention_modules(model) else ())  # models/hf_indexed.py
     other = sorted({k for k in kinds if k not in admitted
                     or (k == "chunked_attention" and not getattr(cfg, "attention_chunk_size", None))})
     if other or (getattr(cfg, "attention_chunk_size", None) and not types):

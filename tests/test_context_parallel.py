@@ -248,7 +248,10 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
 
     conv = _model("tiny")
     conv.layers[0].mix = torch.nn.Conv1d(conv.config.d_model, conv.config.d_model, 3, padding=2)
-    for model in (tiny_family_model("qwen3_next", seed=0), tiny_family_model("deepseek_v32", seed=0), conv):
+    unknown = tiny_family_model("deepseek_v32", seed=0)  # indexed layers whose indexer is not of the DSA form
+    for layer in unknown.model.layers:
+        del layer.self_attn.indexer.index_topk
+    for model in (tiny_family_model("qwen3_next", seed=0), unknown, conv):
         try:  # token mixers other than full causal attention would see one rank's shard only
             moe_compile(model, spec)
         except UnsupportedFeatureError as e:
@@ -466,6 +469,37 @@ def test_cp2_attention_with_sinks():
     it as one op the CP pass gathers K/V for (models/hf_sinks.py); loss and every gradient (the sinks' too)
     as the dense model's eager attention, with windows and padding."""
     for out in run_ranks(sinks_worker, 2):
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
+def indexed_worker(rank: int, world: int) -> dict:
+    """cp=2, each query's indexer picking 4 of 32 keys (the tiny configs' index_topk): DeepSeek-V3.2 on a plain
+    and a left-padded batch, HY-V4 (its second layer reuses the first layer's picks) and Dots3-Note (an
+    indexed layer beside a sliding one of window 4, and of window 64, where transformers makes that layer
+    no mask); the dense loss of DeepSeek-V3.2 with all 32 keys picked."""
+    from moe_compile.models.hf import tiny_family_model
+
+    out = _padded_cases(world, 11, (("deepseek_v32", "deepseek_v32", False), ("deepseek_v32_padded", "deepseek_v32", True),
+                                    ("hy_v4", "hy_v4", False), ("dots3_note_text_wide", "dots3_note_text", False)))
+    out.update(_padded_cases(world, 11, (("dots3_note_text", "dots3_note_text", False),), sliding_window=4))
+    b = make_batches(1, 2, 32, seed=11)[0]
+    for topk in (4, 32):
+        m = tiny_family_model("deepseek_v32", seed=0, index_topk=topk)
+        x = b % m.config.vocab_size
+        out[f"dense_{topk}"] = m(input_ids=x, labels=x, use_cache=False).loss.item()
+    return out
+
+
+def test_cp2_indexed_attention():
+    """Refused before: DeepSeek-V3.2's sparse attention (an indexer's top-k keys per query) under context
+    parallelism, as each module builds its index mask over the keys it holds. Under cp > 1 the module takes
+    the whole sequence's keys and mask in sequence order (models/hf_indexed.py), so the indexer picks over
+    all 32 keys as on one device; loss and every gradient as the dense model's, with padding, a layer that
+    reuses the picks and a sliding layer beside. HY-V4's attention has sinks too, which run as the sink
+    implementation (models/hf_sinks.py): transformers hands it the picks as `indices`, which it dropped."""
+    for out in run_ranks(indexed_worker, 2):
+        assert abs(out.pop("dense_4") - out.pop("dense_32")) > 1e-3, out  # the picks change the loss
         for case, (got, want, err) in out.items():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 

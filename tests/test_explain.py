@@ -168,6 +168,20 @@ def test_explain_attention_with_sinks_at_cp2(tmp_path):
     assert not any("attention FLOPs need" in n for n in data["notes"]), data["notes"]
 
 
+def test_explain_indexed_attention_at_cp2(tmp_path):
+    """DeepSeek-V3.2 (an indexer's top-k keys per query) was refused at cp > 1. Each layer now gathers its
+    key latents (kv_lora_rank 16 + rope 8) and its indexer's keys (index_head_dim 16) before the indexer
+    runs: the CP figures against the config by hand (2 layers, 4 heads of qk 16 and v 16, S=64 in 2 shards,
+    B=1, fp32). S is the whole sequence's, not the already gathered keys' times cp (it read 128)."""
+    data = _explain_family(tmp_path, "deepseek_v32", "dp=1,cp=2", 64)
+    layers, heads, hd, s, cp = 2, 4, 16, 64, 2
+    cpd = data["context_parallel"]
+    assert cpd["all_gathers"] == 3 * layers
+    assert cpd["kv_gathered_bytes"] == layers * (16 + 8 + 16) * s * 4
+    assert cpd["attn_flops_per_step"] == 3 * layers * 4 * heads * (s // cp) * s * hd
+    assert [data["symbols"][k] for k in ("L_attn", "d_qk", "d_v", "S")] == [layers, heads * hd, heads * hd, s]
+
+
 def test_explain_pipeline_with_context_parallelism(tmp_path):
     """pp × cp: the stages were planned on the whole sequence (a raw BackendCompilerFailed saying the model
     must accept position_ids) and, at any pp > 1, every token-dependent figure was n/a. Now each rank's

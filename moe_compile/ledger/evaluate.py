@@ -132,7 +132,7 @@ def _attention(captured: torch.fx.GraphModule | list | None) -> tuple[int, int, 
     if not calls:
         return None
     q, k, v = (calls[0].args[i].meta["val"] for i in range(3))
-    heads, s = q.shape[-3], k.shape[-2]
+    heads, s = q.shape[-3], q.shape[-2]  # the queries: a shard's (indexed attention's keys are already whole)
     return len(calls), heads * q.shape[-1], heads * v.shape[-1], s
 
 

@@ -70,6 +70,8 @@ _SIZES = dict(
     # a token indexer whose sizes default to None though the model always builds it (Qwen4-Exp's QSA, which
     # documents one key head and a budget divisible by the compression): 2 blocks of 4 of the 16 tokens
     indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+    # DeepSeek-V3.2's indexer (DSA & co.): 4 of the 16 tokens per query, so its picks matter (2048 took all)
+    index_topk=4, index_n_heads=4, index_head_dim=16,
 )
 # what the generic sizes cannot know: defaults the model code cannot run with, validators' own rules
 FAMILY_OVERRIDES: dict[str, dict] = {

@@ -5,7 +5,8 @@ GPT-OSS, Flint, GraniteMoE-SWA and MiMo-V2-Flash declare ``_supports_sdpa=False`
 argument) and run an eager matmul-softmax form that the context-parallel pass cannot read. Under cp > 1
 moe_compile registers this implementation with transformers' AttentionInterface (its masks as SDPA's:
 boolean, or none for plain causal) and switches the model to it: the same arithmetic as one node, which
-the pass shards as it shards SDPA. The sinks are read from the module, as the eager forms read them; a
+the pass shards as it shards SDPA. Indexed attention with sinks (HY-V4) hands this implementation its
+indexer's top-k picks as ``indices`` (it masks by itself for eager and SDPA only): they are masked here. The sinks are read from the module, as the eager forms read them; a
 layer without (MiMo-V2-Flash's full-attention layers) runs transformers' SDPA function.
 """
 
@@ -27,6 +28,11 @@ def sink_parameter(model: nn.Module) -> str | None:
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    indices = kwargs.pop("indices", None)
+    if indices is not None:  # indexed attention (HY-V4) hands a kernel other than eager/SDPA its top-k picks
+        picked = torch.zeros((*query.shape[:1], query.shape[2], key.shape[2]), dtype=torch.bool, device=query.device)
+        picked = picked.scatter(-1, indices.long(), True).unsqueeze(1)
+        attention_mask = picked if attention_mask is None else attention_mask & picked
     sinks = getattr(module, "sinks", None)
     if sinks is None:
         if isinstance(getattr(module, "attn_sinks", None), torch.Tensor):

@@ -177,6 +177,39 @@ def _(kpos, kvalid, seq, cp, rank, packed, window, chunk):
     return kpos.new_empty((b, 1, seq // cp, seq), dtype=torch.bool)
 
 
+def _marker(name: str) -> RuntimeError:
+    return RuntimeError(f"moe_cp::{name} marks where the context-parallel pass makes the sequence whole; it runs only "
+                        "inside a program moe_compile built (the pass replaces it), not eagerly")
+
+
+@torch.library.custom_op("moe_cp::whole_keys", mutates_args=())
+def whole_keys(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """Marker: ``x`` (this shard's keys along ``dim``) for the whole sequence, in sequence order. Attention
+    that builds its own mask over its keys (DeepSeek-V3.2's indexed attention: models/hf_indexed.py) asks for
+    them so; the CP pass puts moe_cp::to_sequence(moe_cp::all_gather(x)) in its place."""
+    raise _marker("whole_keys")
+
+
+@whole_keys.register_fake
+def _(x, dim, cp):
+    shape = list(x.shape)
+    shape[dim] *= cp
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("moe_cp::whole_mask", mutates_args=())
+def whole_mask(mask: torch.Tensor, cp: int) -> torch.Tensor:
+    """Marker: the model's boolean mask [b, 1, S/cp, S/cp] of this shard's queries over its keys, for the
+    same queries over the whole sequence's keys in sequence order [b, 1, S/cp, S]; the CP pass puts the
+    whole sequence's mask (moe_cp::causal_mask, keys in sequence order) in its place."""
+    raise _marker("whole_mask")
+
+
+@whole_mask.register_fake
+def _(mask, cp):
+    return mask.new_empty((*mask.shape[:-1], mask.shape[-1] * cp))
+
+
 class LossSum(torch.autograd.Function):
     """Σ over the CP group of each rank's part of the whole-sequence loss; every rank then holds the
     whole loss, and backward hands each rank's part gradient 1 (its tokens' share), not cp."""

@@ -20,7 +20,15 @@ are. A graph with no such node (the eager matmul-softmax form) or with dropout i
 naming the module; a pipeline stage with no attention module at all (MoE and MLP
 layers only) is left as it is. Sliding-window layers (api.cp_attention_windows: the config's
 window on its sliding layers) get the window in the same mask, by global token index, and chunked
-layers (api.cp_attention_chunks: Llama 4's attention_chunk_size) their chunks.
+layers (api.cp_attention_chunks: Llama 4's attention_chunk_size) their chunks. Indexed attention
+(DeepSeek-V3.2's, models/hf_indexed.py) builds its own mask over its keys, so it asks for the whole
+sequence before its indexer runs, through two markers this pass fills in, in sequence order:
+
+    moe_cp::whole_keys(x, dim)  → moe_cp::to_sequence(moe_cp::all_gather(x, dim))
+    moe_cp::whole_mask(mask)    → moe_cp::to_sequence(the CP mask, key dim), in the model mask's shape
+
+and its SDPA (whole keys, a mask made from whole_mask) is left as it is. Attention over keys that are
+neither the shard's nor so made whole is refused.
 
 ``moe-compile explain`` captures on the meta device with SDPA as a fused kernel (the CPU flash kernel, or
 the memory-efficient one: attention_ops; what a rank saves, not the math path's probabilities): those
@@ -32,6 +40,7 @@ Requires DENSE, ensures DENSE. A no-op at cp = 1.
 from __future__ import annotations
 
 import re
+from collections import deque
 
 import torch
 import torch.fx as fx
@@ -43,6 +52,8 @@ from ..ir import Stage
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
+WHOLE_KEYS = (torch.ops.moe_cp.whole_keys, torch.ops.moe_cp.whole_keys.default)
+WHOLE_MASK = (torch.ops.moe_cp.whole_mask, torch.ops.moe_cp.whole_mask.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -104,7 +115,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         with g.inserting_before(attn[0]):
             pos = g.call_function(torch.ops.moe_cp.positions.default, (_arg(attn[0], 0), shard * cp, cp, prog.cp_rank))
         propagate_fake([pos])
-    seq = int(_arg(attn[0], 1).meta["val"].shape[-2]) * cp
+    seq = shard * cp
     pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
     masks: dict[tuple[bool, int, int], fx.Node] = {}  # (the model made the mask, window, chunk) → the CP mask
 
@@ -130,7 +141,31 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             masks[(model_made, window, chunk)] = mask
         return masks[(model_made, window, chunk)]
 
-    for n in attn:
+    whole = {n for n in attn if int(_arg(n, 1).meta["val"].shape[-2]) == seq and _reaches(_arg(n, 3), WHOLE_MASK)}
+    for n in [n for n in nodes if n in attn or n.target in WHOLE_KEYS + WHOLE_MASK]:
+        if n.target in WHOLE_KEYS:  # indexed attention's keys (models/hf_indexed.py): gathered in sequence order
+            x, dim = n.args[0], n.args[1]
+            with g.inserting_before(n):
+                kg = g.call_function(torch.ops.moe_cp.all_gather.default, (x, dim, prog.ctx_id, cp))
+                out = g.call_function(torch.ops.moe_cp.to_sequence.default, (kg, dim, cp))
+            _replace(g, n, out, [kg, out])
+            continue
+        if n.target in WHOLE_MASK:  # its mask: the whole sequence's, keys in sequence order, the model's shape
+            mask = mask_for(True, _per_layer(n, prog.cp_windows, "the sliding window"),
+                            _per_layer(n, prog.cp_chunks, "the attention chunk"), n)
+            with g.inserting_before(n):
+                ordered = g.call_function(torch.ops.moe_cp.to_sequence.default, (mask, 3, cp))
+                out = g.call_function(torch.Tensor.expand, (ordered, *n.meta["val"].shape))
+            _replace(g, n, out, [ordered, out])
+            continue
+        if n in whole:  # keys, values and mask already the whole sequence's: nothing to gather
+            continue
+        if int(_arg(n, 1).meta["val"].shape[-2]) != shard:
+            raise UnsupportedFeatureError(
+                f"{module_path(n) or _where(n)}: attention of {shard} queries over "
+                f"{int(_arg(n, 1).meta['val'].shape[-2])} keys under context parallelism (cp={cp}): the keys are "
+                f"neither this shard's nor the whole sequence's with its mask (moe_cp::whole_mask){user_line(n)}; "
+                "use cp=1")
         dropout = _arg(n, 4, 0.0)
         if dropout not in (0, 0.0):
             raise UnsupportedFeatureError(f"{_where(n)}: attention dropout {dropout} under context parallelism"
@@ -192,6 +227,20 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         _refuse_length_positions(g, shard, prog, cp)
     gm.recompile()
     return gm
+
+
+def _reaches(x, targets: tuple, limit: int = 256) -> bool:
+    """Whether node ``x`` is computed from a node calling one of ``targets`` (the nearest ``limit`` nodes)."""
+    seen, todo = set(), deque([x] if isinstance(x, fx.Node) else [])
+    while todo and len(seen) < limit:
+        n = todo.popleft()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target in targets:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def _refuse_eager_attention(nodes: list[fx.Node], shard: int, cp: int) -> None:
