@@ -23,6 +23,7 @@ from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
 from .models.hf_indexed import indexed_attention_modules, use_indexed_attention
+from .models.hf_mixers import MIXER_NAMES, RECURRENT_KINDS, recurrent_mixers, use_whole_sequence_mixers
 from .models.hf_sinks import sink_parameter, use_sink_attention
 from .options import CompileOptions, schedule_without_pipeline
 from .program import Program
@@ -82,6 +83,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         _check_context_parallel(model, spec)
         use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
         use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
+        use_whole_sequence_mixers(model, spec.cp)  # linear attention and Mamba layers over the whole sequence
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
@@ -185,8 +187,9 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
                 f"mesh {spec}: the model's load-balancing loss (config.output_router_logits=True) under context "
                 f"parallelism ({why}) would use one sequence shard's router statistics; set "
                 "output_router_logits=False or use cp=1")
-    # Only (sliding-window, chunked or indexed) causal attention is made whole across the shards; any other
-    # token mixer (linear attention, SSM / conv layers) would run on this rank's shard alone.
+    # Only (sliding-window, chunked or indexed) causal attention is made whole across the shards, and linear
+    # attention / Mamba layers whose mixer runs on the whole sequence; any other token mixer would run on
+    # this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
@@ -194,14 +197,16 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     # short causal convolutions (passes/cp_convs.py) make LFM2's conv layers whole, and the convolved keys and
     # values of Inkling's hybrid layers (whose attention the CP pass then judges); no other conv may mix tokens
     admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if convs and other_conv is None else ()) \
-        + (("indexed_attention",) if indexed_attention_modules(model) else ())  # models/hf_indexed.py
+        + (("indexed_attention",) if indexed_attention_modules(model) else ()) \
+        + (RECURRENT_KINDS if recurrent_mixers(model) else ())  # models/hf_indexed.py, models/hf_mixers.py
     other = sorted({k for k in kinds if k not in admitted
                     or (k == "chunked_attention" and not getattr(cfg, "attention_chunk_size", None))})
     if other or (getattr(cfg, "attention_chunk_size", None) and not types):
         layers = [i for i, t in enumerate(kinds) if t in other]
         raise UnsupportedFeatureError(
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
-            "under context parallelism: only full causal attention is sharded exactly, these would mix tokens "
+            "under context parallelism: only attention (full, sliding, chunked, DSA-indexed) and linear attention "
+            f"whose mixer is a child {'/'.join(MIXER_NAMES)} are made whole, these would mix tokens "
             "within one rank's shard only; use cp=1")
     if other_conv is not None:
         raise UnsupportedFeatureError(

@@ -160,7 +160,7 @@ def check_family(family: str, mesh: str = "ep_mp=1", rank: int = 0, world: int =
     if loss_err <= tol and not ok:
         fused = resolve_dense_fusion((options or {}).get("dense_fusion", "auto"), "cpu") == "inductor"
         ok, note = _fp64_parity(pristine, [x for b in batches for x in b.chunk(m)], grads, ref_grads, tol, blocks,
-                                inductor=fused)
+                                inductor=fused, cp=spec.cp)
         msg += f"; {note}"
     return result("compiled" if ok else "wrong", msg, loss_err=loss_err, grad_err=grad_err, worst=worst,
                   module_paths=paths)
@@ -211,8 +211,31 @@ def _inductor_grads(model: nn.Module, batches) -> list[dict[str, torch.Tensor]]:
     return [_grads(model)]
 
 
+def _cp_split_grads(model: nn.Module, batches, cp: int) -> list[dict[str, torch.Tensor]]:
+    """The fp32 dense model's gradients summed over cp backward passes, each of one CP rank's tokens' losses
+    (over the whole batch's token count; the load-balancing loss once): the order of sums a CP group makes,
+    which moves an ill-conditioned gradient (the gated-delta-rule decay's) by 10× more than one pass does."""
+    from .runtime.context_parallel import shard_positions
+
+    model = copy.deepcopy(model)
+    try:
+        for b in batches:
+            shift = torch.cat([b[:, 1:], torch.full_like(b[:, :1], -100)], 1)
+            for r in range(cp):
+                keep = torch.zeros(b.shape[1], dtype=torch.bool)
+                keep[shard_positions(b.shape[1], cp, r)] = True
+                labels = shift.masked_fill(~keep, -100)
+                aux = {} if r == 0 else {"output_router_logits": False}
+                out = model(input_ids=b, labels=labels, shift_labels=labels, num_items_in_batch=(shift != -100).sum(),
+                            **aux)
+                (out.loss / len(batches)).backward()
+    except Exception:  # noqa: BLE001 - no such reference: the others decide
+        return []
+    return [_grads(model)]
+
+
 def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: float,
-                 blocks: list[str] = (), inductor: bool = False) -> tuple[bool, str]:
+                 blocks: list[str] = (), inductor: bool = False, cp: int = 1) -> tuple[bool, str]:
     """Parity where fp32 itself is too coarse: every gradient that differs from the fp32 dense one by more
     than ``tol`` must be within ``tol`` of an fp64 run of the dense model, or within 3× fp32's own error
     against it. fp32's own error is the largest of the fp32 dense model's and of JITTER_RUNS fp32 dense
@@ -220,6 +243,8 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
     compute those blocks in another order, and an ill-conditioned gradient (a sum that cancels to 1e-5
     of its terms, as the gated-delta-rule decay's) moves by up to 10× more under such a change than the
     one fp32 dense run's error shows (Qwen3.5-MoE's dt_bias: 4.3e-6 unjittered, up to 3.7e-5 jittered).
+    ``cp`` > 1: one more fp32 run sums the dense model's backward over the CP shards' tokens, as the CP group
+    sums its ranks' (:func:`_cp_split_grads`; Qwen3-Next's A_log: 1.6e-5 off fp64 in one pass, 1.8e-4 split).
     ``inductor``: the dense part was compiled with inductor, which reorders it as well, so torch.compile of
     the dense model is one more fp32 run (Qwen3.5-MoE's dt_bias: 1.1e-4 off fp64 there, 3e-5 in eager)."""
     fp32_model = copy.deepcopy(model)  # model itself becomes the fp64 one
@@ -234,6 +259,8 @@ def _fp64_parity(model: nn.Module, batches, grads: dict, ref_grads: dict, tol: f
     runs = [_jittered_grads(fp32_model, batches, list(blocks), seed) for seed in range(JITTER_RUNS)] if blocks else []
     if inductor:
         runs += _inductor_grads(fp32_model, batches)
+    if cp > 1:
+        runs += _cp_split_grads(fp32_model, batches, cp)
     worst = (0.0, 0.0, "")
     for n in grads:
         if _rel(grads[n], ref_grads[n]) <= tol or n not in exact:

@@ -251,7 +251,10 @@ def bad_cp_worker(rank: int, world: int) -> list[str]:
     unknown = tiny_family_model("deepseek_v32", seed=0)  # indexed layers whose indexer is not of the DSA form
     for layer in unknown.model.layers:
         del layer.self_attn.indexer.index_topk
-    for model in (tiny_family_model("qwen3_next", seed=0), unknown, conv):
+    hidden = tiny_family_model("qwen3_next", seed=0)  # a linear-attention layer whose mixer is not found
+    hidden.model.layers[0].gdn = hidden.model.layers[0].linear_attn
+    del hidden.model.layers[0].linear_attn
+    for model in (hidden, unknown, conv):
         try:  # token mixers other than full causal attention would see one rank's shard only
             moe_compile(model, spec)
         except UnsupportedFeatureError as e:
@@ -489,6 +492,24 @@ def indexed_worker(rank: int, world: int) -> dict:
         x = b % m.config.vocab_size
         out[f"dense_{topk}"] = m(input_ids=x, labels=x, use_cache=False).loss.item()
     return out
+
+
+def linear_worker(rank: int, world: int) -> dict:
+    """cp=2, 32 tokens: linear-attention layers beside attention layers, run on the whole sequence. Kimi-Linear
+    (a delta rule with short convolutions, MLA attention without positions) on a plain and a left-padded
+    batch, Lara (gated delta rule beside sliding-window layers) and MiniMax (lightning attention)."""
+    return _padded_cases(world, 12, (("kimi_linear", "kimi_linear", False), ("kimi_linear_padded", "kimi_linear", True),
+                                     ("lara_mini", "lara_mini", False), ("minimax", "minimax", False)))
+
+
+def test_cp2_linear_attention():
+    """Refused before: linear-attention layers under context parallelism (their state runs from token to
+    token across the shards). Each such layer's mixer runs on the CP group's gathered input in sequence
+    order and keeps this rank's tokens (models/hf_mixers.py); loss and every gradient as the dense model's,
+    the backward's reduce-scatter handing each rank the gradient the later tokens send back."""
+    for out in run_ranks(linear_worker, 2):
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
 
 def test_cp2_indexed_attention():

@@ -8,7 +8,7 @@ module runs its own forward with the whole sequence's keys from the start, throu
 transformers gives a KV cache (``cache.update`` for the attention's latents, ``cache.update_indexer`` for
 the indexer's keys) and its ``attention_mask`` argument:
 
-    latents, indexer keys → moe_cp::whole_keys (the CP pass: all-gathered, in sequence order)
+    latents, indexer keys → moe_cp::whole_sequence (the CP pass: all-gathered, in sequence order)
     attention_mask        → moe_cp::whole_mask (the CP pass: the whole sequence's causal mask)
 
 The indexer then scores and picks over all S keys as on one device, and its index mask and the SDPA call
@@ -50,11 +50,11 @@ class _WholeSequence:
         self.cp, self.cache = cp, cache
 
     def update(self, k_pass: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, **kw):
-        k_pass, k_rot = torch.ops.moe_cp.whole_keys(k_pass, 2, self.cp), torch.ops.moe_cp.whole_keys(k_rot, 2, self.cp)
+        k_pass, k_rot = torch.ops.moe_cp.whole_sequence(k_pass, 2, self.cp), torch.ops.moe_cp.whole_sequence(k_rot, 2, self.cp)
         return (k_pass, k_rot) if self.cache is None else self.cache.update(k_pass, k_rot, layer_idx, **kw)
 
     def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        k = torch.ops.moe_cp.whole_keys(k, 1, self.cp)
+        k = torch.ops.moe_cp.whole_sequence(k, 1, self.cp)
         return k if self.cache is None else self.cache.update_indexer(k, layer_idx)
 
 

@@ -182,15 +182,16 @@ def _marker(name: str) -> RuntimeError:
                         "inside a program moe_compile built (the pass replaces it), not eagerly")
 
 
-@torch.library.custom_op("moe_cp::whole_keys", mutates_args=())
-def whole_keys(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
-    """Marker: ``x`` (this shard's keys along ``dim``) for the whole sequence, in sequence order. Attention
-    that builds its own mask over its keys (DeepSeek-V3.2's indexed attention: models/hf_indexed.py) asks for
-    them so; the CP pass puts moe_cp::to_sequence(moe_cp::all_gather(x)) in its place."""
-    raise _marker("whole_keys")
+@torch.library.custom_op("moe_cp::whole_sequence", mutates_args=())
+def whole_sequence(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """Marker: ``x`` (this shard's tokens along ``dim``) for the whole sequence, in sequence order. Indexed
+    attention asks for its keys so (it builds its own mask over them: models/hf_indexed.py), a recurrent token
+    mixer for its input (models/hf_mixers.py); the CP pass puts moe_cp::to_sequence(moe_cp::all_gather(x)) in
+    its place."""
+    raise _marker("whole_sequence")
 
 
-@whole_keys.register_fake
+@whole_sequence.register_fake
 def _(x, dim, cp):
     shape = list(x.shape)
     shape[dim] *= cp
@@ -208,6 +209,21 @@ def whole_mask(mask: torch.Tensor, cp: int) -> torch.Tensor:
 @whole_mask.register_fake
 def _(mask, cp):
     return mask.new_empty((*mask.shape[:-1], mask.shape[-1] * cp))
+
+
+@torch.library.custom_op("moe_cp::own_tokens", mutates_args=())
+def own_tokens(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """Marker: of ``x`` over the whole sequence in sequence order along ``dim``, this rank's shard's tokens
+    (what a token mixer run on moe_cp::whole_sequence returns); the CP pass puts
+    narrow(moe_cp::from_sequence(x), rank·S/cp, S/cp) in its place."""
+    raise _marker("own_tokens")
+
+
+@own_tokens.register_fake
+def _(x, dim, cp):
+    shape = list(x.shape)
+    shape[dim] //= cp
+    return x.new_empty(shape)
 
 
 class LossSum(torch.autograd.Function):

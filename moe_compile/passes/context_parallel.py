@@ -24,11 +24,16 @@ layers (api.cp_attention_chunks: Llama 4's attention_chunk_size) their chunks. I
 (DeepSeek-V3.2's, models/hf_indexed.py) builds its own mask over its keys, so it asks for the whole
 sequence before its indexer runs, through two markers this pass fills in, in sequence order:
 
-    moe_cp::whole_keys(x, dim)  → moe_cp::to_sequence(moe_cp::all_gather(x, dim))
+    moe_cp::whole_sequence(x, dim)  → moe_cp::to_sequence(moe_cp::all_gather(x, dim))
     moe_cp::whole_mask(mask)    → moe_cp::to_sequence(the CP mask, key dim), in the model mask's shape
 
 and its SDPA (whole keys, a mask made from whole_mask) is left as it is. Attention over keys that are
-neither the shard's nor so made whole is refused.
+neither the shard's nor so made whole is refused. Linear-attention layers run their mixer on the whole
+sequence (models/hf_mixers.py): whole_sequence on its input, and on its output
+
+    moe_cp::own_tokens(y, dim)  → narrow(moe_cp::from_sequence(y, dim), rank·S/cp, S/cp)
+
+(a pipeline stage of such layers and MoE / MLP layers has no attention to rewrite).
 
 ``moe-compile explain`` captures on the meta device with SDPA as a fused kernel (the CPU flash kernel, or
 the memory-efficient one: attention_ops; what a rank saves, not the math path's probabilities): those
@@ -52,7 +57,8 @@ from ..ir import Stage
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
-WHOLE_KEYS = (torch.ops.moe_cp.whole_keys, torch.ops.moe_cp.whole_keys.default)
+WHOLE_SEQUENCE = (torch.ops.moe_cp.whole_sequence, torch.ops.moe_cp.whole_sequence.default)
+OWN_TOKENS = (torch.ops.moe_cp.own_tokens, torch.ops.moe_cp.own_tokens.default)
 WHOLE_MASK = (torch.ops.moe_cp.whole_mask, torch.ops.moe_cp.whole_mask.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -82,11 +88,13 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     if cp == 1:
         return gm
     g = gm.graph
+    filled = _fill_sequence_markers(g, prog, cp)
     nodes = list(g.nodes)
     attn = [n for n in nodes if n.op == "call_function" and n.target in ATTENTION]
-    if not attn and prog.mesh.pp > 1 and not _has_attention_module(nodes):
+    if not attn and (filled or prog.mesh.pp > 1 and not _has_attention_module(nodes)):
         _check_loss_inputs(nodes, prog.mesh, cp)
-        return gm  # a pipeline stage of MoE / MLP layers only (Nemotron-H's later stage): nothing mixes tokens
+        gm.recompile()  # a pipeline stage of MoE / MLP layers only (Nemotron-H's later stage), or of recurrent
+        return gm  # token mixers run on the whole sequence (models/hf_mixers.py): no attention to rewrite
     if not attn:
         soft = next((n for n in nodes if n.op in ("call_function", "call_method") and "softmax" in str(n.target)
                      and "attn" in _where(n).lower()), None)
@@ -142,14 +150,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         return masks[(model_made, window, chunk)]
 
     whole = {n for n in attn if int(_arg(n, 1).meta["val"].shape[-2]) == seq and _reaches(_arg(n, 3), WHOLE_MASK)}
-    for n in [n for n in nodes if n in attn or n.target in WHOLE_KEYS + WHOLE_MASK]:
-        if n.target in WHOLE_KEYS:  # indexed attention's keys (models/hf_indexed.py): gathered in sequence order
-            x, dim = n.args[0], n.args[1]
-            with g.inserting_before(n):
-                kg = g.call_function(torch.ops.moe_cp.all_gather.default, (x, dim, prog.ctx_id, cp))
-                out = g.call_function(torch.ops.moe_cp.to_sequence.default, (kg, dim, cp))
-            _replace(g, n, out, [kg, out])
-            continue
+    for n in [n for n in nodes if n in attn or n.target in WHOLE_MASK]:
         if n.target in WHOLE_MASK:  # its mask: the whole sequence's, keys in sequence order, the model's shape
             mask = mask_for(True, _per_layer(n, prog.cp_windows, "the sliding window"),
                             _per_layer(n, prog.cp_chunks, "the attention chunk"), n)
@@ -227,6 +228,24 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         _refuse_length_positions(g, shard, prog, cp)
     gm.recompile()
     return gm
+
+
+def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> bool:
+    """moe_cp::whole_sequence → to_sequence(all_gather(x)), moe_cp::own_tokens → this rank's S/cp tokens of
+    narrow(from_sequence(x)); whether the graph held any."""
+    marked = [n for n in g.nodes if n.op == "call_function" and n.target in WHOLE_SEQUENCE + OWN_TOKENS]
+    for n in marked:
+        x, dim = n.args[0], n.args[1]
+        with g.inserting_before(n):
+            if n.target in WHOLE_SEQUENCE:
+                gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, dim, prog.ctx_id, cp))
+                out = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, dim, cp))
+            else:
+                shard = int(x.meta["val"].shape[dim]) // cp
+                gathered = g.call_function(torch.ops.moe_cp.from_sequence.default, (x, dim, cp))
+                out = g.call_function(torch.narrow, (gathered, dim, prog.cp_rank * shard, shard))
+        _replace(g, n, out, [gathered, out])
+    return bool(marked)
 
 
 def _reaches(x, targets: tuple, limit: int = 256) -> bool:
@@ -340,5 +359,7 @@ def _keeps(n: fx.Node) -> bool:
     that nothing reads, and without them SDPA attended over uninitialised keys."""
     if n.is_impure():
         return True
+    if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator":
+        return False  # operator.and_ / or_: named like in-place methods, but pure (a dead mask of transformers')
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")

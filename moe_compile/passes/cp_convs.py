@@ -30,6 +30,9 @@ from ..errors import UnsupportedFeatureError
 from ..ir import Stage
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
+from .context_parallel import _reaches
+
+TO_SEQUENCE = (torch.ops.moe_cp.to_sequence, torch.ops.moe_cp.to_sequence.default)
 
 CONV1D = (torch.conv1d, F.conv1d, torch.ops.aten.conv1d.default)
 _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -93,6 +96,8 @@ def cp_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"{module_path(n) or n.name}: a convolution under context parallelism (cp={cp}) in a graph whose "
                 f"sequence shard length cannot be told (no position ids, token ids or hidden states){user_line(n)}; "
                 "use cp=1")
+        if xv.dim() == 3 and xv.shape[-1] == shard * cp and _reaches(x, TO_SEQUENCE):
+            continue  # inside a token mixer that runs on the whole sequence (models/hf_mixers.py)
         if xv.dim() != 3 or xv.shape[-1] != shard:
             raise UnsupportedFeatureError(
                 f"{module_path(n) or n.name}: a convolution over an axis of {xv.shape[-1]} under context parallelism "
