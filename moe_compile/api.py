@@ -79,11 +79,12 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = mesh.resolve(world)
     schedule = _schedule_for(spec, opts)
+    whole_mixers: list[str] = []
     if spec.cp > 1:
         _check_context_parallel(model, spec)
         use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
         use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
-        use_whole_sequence_mixers(model, spec.cp)  # linear attention and Mamba layers over the whole sequence
+        whole_mixers = use_whole_sequence_mixers(model, spec.cp)  # linear attention over the whole sequence
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
@@ -124,6 +125,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         cp_rank=groups.cp_rank if groups else 0, cp_length_positions=cp_length_positions(model) if spec.cp > 1 else {},
         cp_windows=cp_attention_windows(model) if spec.cp > 1 else {},
         cp_chunks=cp_attention_chunks(model) if spec.cp > 1 else {},
+        cp_whole_mixers=tuple(whole_mixers),
         codegen=codegen,
     )
     program.param_names = {id(p): n for n, p in model.named_parameters()}

@@ -11,9 +11,13 @@ sequences of S tokens; this rank holds S/cp of each; at pp > 1 the graphs of thi
                      computes the masked half too; the causal work is half of it)
     saved            activations the forward keeps for backward (the ledger's M_saved)
 
+    whole_saved      of saved, what the linear-attention mixers keep (models/hf_mixers.py: they run on the
+                     whole sequence on every CP rank): saved − kv_gathered times the share of the forward's
+                     saved outputs made in those modules
+
 Scaling with cp' ∈ {1, 2, 4, 8} at the same S: tokens and per-token activations divide by cp'; the
-gathered K/V that attention keeps stay whole:
-    saved(cp') ≈ (saved − kv_gathered)·cp/cp' + kv_gathered
+gathered K/V that attention keeps and the whole-sequence mixers' activations stay whole:
+    saved(cp') ≈ (saved − kv_gathered − whole_saved)·cp/cp' + kv_gathered + whole_saved
     attn_flops(cp') = attn_flops·cp/cp',   cp_bytes(cp') = kv_gathered·(cp'−1)/cp'
 """
 
@@ -42,6 +46,33 @@ def _forward_graphs(cm) -> list[tuple[Any, Any]]:
     return out
 
 
+def _whole_mixer_share(cm) -> float:
+    """Of the forward's saved outputs (what backward takes besides its tangents; each storage once), the
+    share made inside the modules run on the whole sequence (Program.cp_whole_mixers), over this rank's
+    programs: applied to the ledger's M_saved, which counts the same outputs."""
+    from .ledger.memory import _key, _tensors
+    from .ledger.memory import _nbytes as _storage_bytes
+    from .viz.graph import module_path
+
+    progs = cm.pipeline._programs if cm.pipeline is not None else [cm.program]
+    mine: dict = {}
+    every: dict = {}
+    for p in progs:
+        graphs = p.training_graphs if cm.pipeline is not None else p.graphs
+        fwd, bwd = graphs.get("forward"), graphs.get("backward")
+        if fwd is None or bwd is None or not p.cp_whole_mixers:
+            continue
+        outs = list(fwd.graph.output_node().args[0])
+        n_saved = sum(1 for n in bwd.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        for n in {a for a in outs[len(outs) - n_saved:] if isinstance(a, torch.fx.Node) and a.op != "placeholder"}:
+            sizes = {_key(t): _storage_bytes(t) for t in _tensors(n.meta.get("val"))}
+            every.update(sizes)
+            path = module_path(n) or ""
+            if any(path == m or path.startswith(m + ".") for m in p.cp_whole_mixers):
+                mine.update(sizes)
+    return sum(mine.values()) / sum(every.values()) if every else 0.0
+
+
 def cp_rows(cm, ledger) -> dict[str, Any] | None:
     spec = cm.program.mesh
     graphs = _forward_graphs(cm) if spec.cp > 1 else []
@@ -65,13 +96,15 @@ def cp_rows(cm, ledger) -> dict[str, Any] | None:
         saved = int(ledger["M_saved"])
     except (KeyError, TypeError, ValueError):
         saved = None
+    whole = int((saved - kv_bytes) * _whole_mixer_share(cm)) if saved is not None else 0
     scaling = []
     for c in (1, 2, 4, 8):
-        scaling.append({"cp": c, "saved_bytes": (saved - kv_bytes) * cp // c + kv_bytes if saved is not None else None,
+        scaling.append({"cp": c, "saved_bytes": (saved - kv_bytes - whole) * cp // c + kv_bytes + whole
+                        if saved is not None else None,
                         "attn_flops": 3 * flops * cp // c, "cp_bytes": 2 * (kv_bytes + router_bytes) * (c - 1) // c})
     return {"cp": cp, "kv_gathered_bytes": kv_bytes, "router_gathered_bytes": router_bytes,
             "cp_bytes_per_step": 2 * (kv_bytes + router_bytes) * (cp - 1) // cp,
-            "attn_flops_per_step": 3 * flops, "saved_bytes": saved, "scaling": scaling,
+            "attn_flops_per_step": 3 * flops, "saved_bytes": saved, "whole_saved_bytes": whole, "scaling": scaling,
             "all_gathers": len(kv)}
 
 

@@ -182,6 +182,18 @@ def test_explain_indexed_attention_at_cp2(tmp_path):
     assert [data["symbols"][k] for k in ("L_attn", "d_qk", "d_v", "S")] == [layers, heads * hd, heads * hd, s]
 
 
+def test_explain_linear_attention_memory_does_not_shrink_with_cp(tmp_path):
+    """Kimi-Linear's linear-attention layers run on the whole sequence on every CP rank (models/hf_mixers.py),
+    so their saved activations do not divide by cp. The cp=2 explain's projection for cp=4 against what the
+    cp=4 explain measures (within 2%; the projection that divided everything by cp was 50% low)."""
+    (tmp_path / "two").mkdir(), (tmp_path / "four").mkdir()
+    two = _explain_family(tmp_path / "two", "kimi_linear", "dp=1,cp=2", 64)["context_parallel"]
+    four = _explain_family(tmp_path / "four", "kimi_linear", "dp=1,cp=4", 64)["context_parallel"]
+    assert 0 < two["whole_saved_bytes"] <= two["saved_bytes"]
+    predicted = next(r["saved_bytes"] for r in two["scaling"] if r["cp"] == 4)
+    assert abs(predicted - four["saved_bytes"]) <= 0.02 * four["saved_bytes"], (predicted, four["saved_bytes"])
+
+
 def test_explain_pipeline_with_context_parallelism(tmp_path):
     """pp × cp: the stages were planned on the whole sequence (a raw BackendCompilerFailed saying the model
     must accept position_ids) and, at any pp > 1, every token-dependent figure was n/a. Now each rank's
