@@ -679,8 +679,8 @@ def test_train_cp2_then_resume_on_cp1(tmp_path):
 
 def capture_refusal_worker(rank: int, world: int) -> list[str]:
     """Refusals the CP pass raises while the graph is captured (inside dynamo's backend call): eager
-    attention (no SDPA to rewrite) and attention dropout. They came out as dynamo's BackendCompilerFailed,
-    not the moe_compile error inside it."""
+    attention (no SDPA to rewrite; also beside linear-attention layers) and attention dropout. They came out
+    as dynamo's BackendCompilerFailed, not the moe_compile error inside it."""
     spec = MeshSpec.parse("cp=2").resolve(world)
     x = make_batches(1, 2, 8, seed=2)[0]
     out = []
@@ -700,6 +700,19 @@ def capture_refusal_worker(rank: int, world: int) -> list[str]:
         except Exception as e:  # noqa: BLE001 - the test checks its type
             out.append(f"{type(e).__name__}: {e}")
         cm.close()
+    from moe_compile.models.hf import tiny_family_model
+
+    # linear-attention layers (run on the whole sequence) beside eager attention, which would see the shard
+    # alone: the graph has no SDPA node, and it ran silently before
+    model = tiny_family_model("kimi_linear", seed=0)
+    model.config._attn_implementation = "eager"
+    cm = moe_compile(model, spec)
+    try:
+        cm(input_ids=x, labels=x, use_cache=False)
+        out.append("no error")
+    except Exception as e:  # noqa: BLE001 - the test checks its type
+        out.append(f"{type(e).__name__}: {e}")
+    cm.close()
     return out
 
 
@@ -707,6 +720,8 @@ def test_refusals_found_while_capturing_are_moe_compile_errors():
     for msgs in run_ranks(capture_refusal_worker, 2):
         assert msgs[0].startswith("UnsupportedFeatureError") and "rewrites scaled_dot_product_attention" in msgs[0], msgs
         assert msgs[1].startswith("UnsupportedFeatureError") and "attention dropout 0.1" in msgs[1], msgs
+        assert msgs[2].startswith("UnsupportedFeatureError: model.layers.1.self_attn: attention computed as "
+                                  "matmul-softmax"), msgs
 
 
 def same_batch_worker(rank: int, world: int) -> list:

@@ -91,6 +91,8 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     filled = _fill_sequence_markers(g, prog, cp)
     nodes = list(g.nodes)
     attn = [n for n in nodes if n.op == "call_function" and n.target in ATTENTION]
+    if not attn and filled:  # only token mixers run on the whole sequence (models/hf_mixers.py); an eager
+        _refuse_eager_attention(nodes, filled, cp)  # attention beside them would see the shard alone
     if not attn and (filled or prog.mesh.pp > 1 and not _has_attention_module(nodes)):
         _check_loss_inputs(nodes, prog.mesh, cp)
         gm.recompile()  # a pipeline stage of MoE / MLP layers only (Nemotron-H's later stage), or of recurrent
@@ -230,14 +232,16 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     return gm
 
 
-def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> bool:
+def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
     """moe_cp::whole_sequence → to_sequence(all_gather(x)), moe_cp::own_tokens → this rank's S/cp tokens of
-    narrow(from_sequence(x)); whether the graph held any."""
+    narrow(from_sequence(x)); the shard length S/cp where the graph held any, else 0."""
     marked = [n for n in g.nodes if n.op == "call_function" and n.target in WHOLE_SEQUENCE + OWN_TOKENS]
+    shard = 0
     for n in marked:
         x, dim = n.args[0], n.args[1]
         with g.inserting_before(n):
             if n.target in WHOLE_SEQUENCE:
+                shard = int(x.meta["val"].shape[dim])
                 gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, dim, prog.ctx_id, cp))
                 out = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, dim, cp))
             else:
@@ -245,7 +249,7 @@ def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> bool:
                 gathered = g.call_function(torch.ops.moe_cp.from_sequence.default, (x, dim, cp))
                 out = g.call_function(torch.narrow, (gathered, dim, prog.cp_rank * shard, shard))
         _replace(g, n, out, [gathered, out])
-    return bool(marked)
+    return shard
 
 
 def _reaches(x, targets: tuple, limit: int = 256) -> bool:
