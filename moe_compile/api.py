@@ -190,8 +190,8 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
                 f"parallelism ({why}) would use one sequence shard's router statistics; set "
                 "output_router_logits=False or use cp=1")
     # Only (sliding-window, chunked or indexed) causal attention is made whole across the shards, and linear
-    # attention / Mamba layers whose mixer runs on the whole sequence; any other token mixer would run on
-    # this rank's shard alone.
+    # attention layers pass states (models/hf_state_passing.py) or run their mixer on the whole sequence; any
+    # other token mixer would run on this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
@@ -208,7 +208,7 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         raise UnsupportedFeatureError(
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
             "under context parallelism: only attention (full, sliding, chunked, DSA-indexed) and linear attention "
-            f"whose mixer is a child {'/'.join(MIXER_NAMES)} are made whole, these would mix tokens "
+            f"whose mixer is a child {'/'.join(MIXER_NAMES)} run across the shards, these would mix tokens "
             "within one rank's shard only; use cp=1")
     if other_conv is not None:
         raise UnsupportedFeatureError(

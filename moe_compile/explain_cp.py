@@ -64,8 +64,10 @@ def _whole_mixer_share(cm) -> float:
             continue
         outs = list(fwd.graph.output_node().args[0])
         n_saved = sum(1 for n in bwd.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        # views of the graph's inputs (a weight's transpose) are not saved bytes, as in the ledger's M_saved
+        inputs = {_key(t) for n in fwd.graph.nodes if n.op == "placeholder" for t in _tensors(n.meta.get("val"))}
         for n in {a for a in outs[len(outs) - n_saved:] if isinstance(a, torch.fx.Node) and a.op != "placeholder"}:
-            sizes = {_key(t): _storage_bytes(t) for t in _tensors(n.meta.get("val"))}
+            sizes = {_key(t): _storage_bytes(t) for t in _tensors(n.meta.get("val")) if _key(t) not in inputs}
             every.update(sizes)
             path = module_path(n) or ""
             if any(path == m or path.startswith(m + ".") for m in p.cp_whole_mixers):

@@ -343,12 +343,12 @@ def test_cp2_padding_and_packed_sequences():
         assert abs(out["packed"][1] - out["packed_with_a_mask"][1]) > 1e-3, out  # the case tests something
 
 
-def _padded_cases(world: int, seed: int, cases, **config) -> dict:
-    """cp=2, 2 sequences of 32 tokens: each (case, family, padded) against the dense model of a tiny
-    ``family`` config (``config`` overrides), the second sequence left-padded by 9 where ``padded``."""
+def _padded_cases(world: int, seed: int, cases, mesh: str = "cp=2", **config) -> dict:
+    """``mesh`` (cp=2), 2 sequences of 32 tokens: each (case, family, padded) against the dense model of a
+    tiny ``family`` config (``config`` overrides), the second sequence left-padded by 9 where ``padded``."""
     from moe_compile.models.hf import tiny_family_model
 
-    spec = MeshSpec.parse("cp=2").resolve(world)
+    spec = MeshSpec.parse(mesh).resolve(world)
     b = make_batches(1, 2, 32, seed=seed)[0]
     left = torch.ones_like(b)
     left[1, :9] = 0
@@ -494,22 +494,53 @@ def indexed_worker(rank: int, world: int) -> dict:
     return out
 
 
-def linear_worker(rank: int, world: int) -> dict:
-    """cp=2, 32 tokens: linear-attention layers beside attention layers, run on the whole sequence. Kimi-Linear
-    (a delta rule with short convolutions, MLA attention without positions) on a plain and a left-padded
-    batch, Lara (gated delta rule beside sliding-window layers) and MiniMax (lightning attention)."""
-    return _padded_cases(world, 12, (("kimi_linear", "kimi_linear", False), ("kimi_linear_padded", "kimi_linear", True),
-                                     ("lara_mini", "lara_mini", False), ("minimax", "minimax", False)))
+def linear_worker(rank: int, world: int, cp: int = 2) -> dict:
+    """cp=2 (or 4), 32 tokens: linear-attention layers beside attention layers. The delta rules pass states
+    between the ranks' sequence chunks: Kimi-Linear (Kimi delta attention with short convolutions, MLA
+    attention without positions) on a plain and a left-padded batch, Lara (gated delta rule beside
+    sliding-window layers). MiniMax (lightning attention) runs on the whole sequence (at cp=2).
+    At cp=4 also Kimi-Linear at cp=2 × ep_mp=2. ``whole``: the mixers each program runs whole. (Qwen3-Next and Qwen3.5-MoE are within fp32's error of
+    the CP order of sums, not of one dense pass, at 1e-5: the families sweep checks them so.)"""
+    from moe_compile.models.hf import tiny_family_model
+
+    cases = (("kimi_linear", "kimi_linear", False), ("kimi_linear_padded", "kimi_linear", True),
+             ("lara_mini", "lara_mini", False), ("minimax", "minimax", False))
+    out = _padded_cases(world, 12, cases if cp == 2 else cases[:3], mesh=f"cp={cp}")
+    if cp == 4:  # the same four ranks as cp=2 × ep_mp=2: every rank's program must match its EP group's
+        out.update(_padded_cases(world, 12, (("kimi_linear_ep", "kimi_linear", False),), mesh="cp=2,ep_mp=2"))
+    spec = MeshSpec.parse(f"cp={cp}").resolve(world)
+    for family in ("kimi_linear", "minimax"):
+        cm = moe_compile(tiny_family_model(family, seed=0), spec)
+        out[f"whole {family}"] = cm.program.cp_whole_mixers
+        cm.close()
+    return out
+
+
+def _check_linear(out: dict) -> None:
+    assert out.pop("whole kimi_linear") == (), out  # its delta rule passes states: sharded
+    assert out.pop("whole minimax") == ("model.layers.1.self_attn",), out  # lightning attention: whole
+    for case, (got, want, err) in out.items():
+        assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
 
 def test_cp2_linear_attention():
     """Refused before: linear-attention layers under context parallelism (their state runs from token to
-    token across the shards). Each such layer's mixer runs on the CP group's gathered input in sequence
-    order and keeps this rank's tokens (models/hf_mixers.py); loss and every gradient as the dense model's,
-    the backward's reduce-scatter handing each rank the gradient the later tokens send back."""
+    token across the shards). A delta rule runs on each rank's own chunks from the states they enter with,
+    scanned over the CP group's chunk summaries (models/hf_state_passing.py); other linear attention runs on
+    the CP group's gathered input in sequence order and keeps this rank's tokens (models/hf_mixers.py).
+    Loss and every gradient as the dense model's, so each chunk gets the gradient that later chunks send
+    back (with zero entering states Kimi-Linear's loss was 1.5e-3 off, its gradients 110%)."""
     for out in run_ranks(linear_worker, 2):
-        for case, (got, want, err) in out.items():
-            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+        _check_linear(out)
+
+
+@pytest.mark.slow
+def test_cp4_linear_attention_passes_states_over_eight_chunks():
+    """cp=4: each rank's two chunks of 4 tokens enter with the states scanned over all 8 chunks. And
+    cp=2 × ep_mp=2, whose EP groups span CP ranks: their programs differed (a rank's dead scan steps were
+    eliminated), a RuntimeFault "lease plans differ between the ranks of the EP group"."""
+    for out in run_ranks(linear_worker, 4, 4):
+        _check_linear(out)
 
 
 def test_cp2_indexed_attention():

@@ -1,9 +1,11 @@
 """Recurrent token mixers under context parallelism: each runs on the whole sequence.
 
-Linear attention (gated delta rules: Qwen3-Next, Qwen3.5-MoE, Lara, Kimi-Linear, Bailing-Hybrid; MiniMax's
-lightning attention) carries a state from token to token, so a sequence shard
-(chunks r and 2cp−1−r of 2cp) cannot run them alone. Under cp > 1 each such layer's mixer module gets,
-while compiled, the whole sequence's input in sequence order and hands back this rank's tokens:
+Linear attention carries a state from token to token, so a sequence shard (chunks r and 2cp−1−r of 2cp)
+cannot run it alone. The delta rules transformers ships as plain torch functions (Qwen3-Next,
+Qwen3.5-MoE, Lara, Kimi-Linear, Bailing-Hybrid) pass states between the ranks' chunks instead and stay
+sharded (models/hf_state_passing.py). Any other (MiniMax's lightning attention, written inside its
+module's forward) runs on the whole sequence: under cp > 1 its mixer module gets, while compiled, the
+whole sequence's input in sequence order and hands back this rank's tokens:
 
     hidden_states (and any [B, S/cp, …] argument: the padding mask, positions) → moe_cp::whole_sequence
     its output (the first element of a tuple)                                  → moe_cp::own_tokens
@@ -12,9 +14,8 @@ The CP pass fills both markers in (an all-gather in sequence order; the inverse 
 S/cp tokens). It is exact: forward as on one device, and backward reduce-scatters the gathered input's
 gradient, so every rank's tokens get the gradient that the other ranks' later tokens send back through the
 recurrence. The cost is not sharded: every rank of the CP group runs these layers over all S tokens
-(compute and saved activations ×cp for them; attention, MoE and MLP layers stay sharded). A state-passing
-scan over the ranks would shard it; this form is the exact baseline. Run eagerly (not being compiled),
-the module runs as it was.
+(compute and saved activations ×cp for them; attention, MoE and MLP layers stay sharded). Run eagerly
+(not being compiled), the module runs as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedFeatureError
+from .hf_state_passing import use_state_passing
 
 # config.layer_types entries. Mamba layers are not among them: Jamba's selective scan (torch's associative_scan,
 # traced through vmap) fails to compile on the gathered sequence, so "mamba" layers stay refused.
@@ -101,9 +103,12 @@ def _after(m: nn.Module, args: tuple, kwargs: dict, out):
 
 def use_whole_sequence_mixers(model: nn.Module, cp: int) -> list[str]:
     """Run each recurrent layer's mixer of ``model`` on the whole sequence when compiled at ``cp`` > 1
-    (module docstring); the module paths it changed."""
+    (module docstring), unless it passes states over the CP group instead (models/hf_state_passing.py);
+    the module paths that run on the whole sequence."""
     paths = []
     for path, m in (recurrent_mixers(model) or {}).values():
+        if use_state_passing(m, cp, path):  # a delta rule: sharded, the ranks pass states (hf_state_passing.py)
+            continue
         if getattr(m, "_moe_cp_mixer", None) is None:
             m.register_forward_pre_hook(_before, with_kwargs=True)
             m.register_forward_hook(_after, with_kwargs=True)

@@ -28,12 +28,15 @@ sequence before its indexer runs, through two markers this pass fills in, in seq
     moe_cp::whole_mask(mask)    → moe_cp::to_sequence(the CP mask, key dim), in the model mask's shape
 
 and its SDPA (whole keys, a mask made from whole_mask) is left as it is. Attention over keys that are
-neither the shard's nor so made whole is refused. Linear-attention layers run their mixer on the whole
+neither the shard's nor so made whole is refused. Other linear-attention layers run their mixer on the whole
 sequence (models/hf_mixers.py): whole_sequence on its input, and on its output
 
     moe_cp::own_tokens(y, dim)  → narrow(moe_cp::from_sequence(y, dim), rank·S/cp, S/cp)
 
-(a pipeline stage of such layers and MoE / MLP layers has no attention to rewrite).
+(a pipeline stage of such layers and MoE / MLP layers has no attention to rewrite). Delta-rule layers
+stay on the shard and pass states instead (models/hf_state_passing.py): their chunk summaries are
+
+    moe_cp::incoming_states(x)  → scan_incoming_states(moe_cp::to_sequence(moe_cp::all_gather(x, 0)))
 
 ``moe-compile explain`` captures on the meta device with SDPA as a fused kernel (the CPU flash kernel, or
 the memory-efficient one: attention_ops; what a rank saves, not the math path's probabilities): those
@@ -54,11 +57,13 @@ import torch.nn.functional as F
 from ..attention_ops import ATTENTION, EFFICIENT, FUSED, SDPA, SINKS, attention_arg, no_sdpa_form
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
+from ..ops.context_parallel import scan_incoming_states
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
 WHOLE_SEQUENCE = (torch.ops.moe_cp.whole_sequence, torch.ops.moe_cp.whole_sequence.default)
 OWN_TOKENS = (torch.ops.moe_cp.own_tokens, torch.ops.moe_cp.own_tokens.default)
+INCOMING_STATES = (torch.ops.moe_cp.incoming_states, torch.ops.moe_cp.incoming_states.default)
 WHOLE_MASK = (torch.ops.moe_cp.whole_mask, torch.ops.moe_cp.whole_mask.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -234,12 +239,21 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
 
 def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
     """moe_cp::whole_sequence → to_sequence(all_gather(x)), moe_cp::own_tokens → this rank's S/cp tokens of
-    narrow(from_sequence(x)); the shard length S/cp where the graph held any, else 0."""
-    marked = [n for n in g.nodes if n.op == "call_function" and n.target in WHOLE_SEQUENCE + OWN_TOKENS]
+    narrow(from_sequence(x)), moe_cp::incoming_states → the scan over to_sequence(all_gather(x)) of the
+    chunks' state summaries; the shard length S/cp where the graph held any, else 0."""
+    marked = [n for n in g.nodes if n.op == "call_function"
+              and n.target in WHOLE_SEQUENCE + OWN_TOKENS + INCOMING_STATES]
     shard = 0
     for n in marked:
         x, dim = n.args[0], n.args[1]
         with g.inserting_before(n):
+            if n.target in INCOMING_STATES:  # models/hf_state_passing.py: the mixer itself runs on the shard
+                shard = int(n.args[1])
+                gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 0, prog.ctx_id, cp))
+                ordered = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, 0, cp))
+                out = g.call_function(scan_incoming_states, (ordered, cp, prog.cp_rank))
+                _replace(g, n, out, [gathered, ordered, out])
+                continue
             if n.target in WHOLE_SEQUENCE:
                 shard = int(x.meta["val"].shape[dim])
                 gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, dim, prog.ctx_id, cp))

@@ -1,0 +1,112 @@
+"""Linear attention under context parallelism, sharded: each rank runs its own tokens and the ranks pass states.
+
+The chunked delta rules transformers ships in plain torch (gated delta rule: Qwen3-Next, Qwen3.5-MoE,
+Lara; Kimi delta attention: Kimi-Linear, Bailing-Hybrid) carry a state S [B, H, dk, dv] from token to
+token. Each step maps it linearly and the same way for every value column (S ← D·S + β·k·vᵀ, D a
+[dk, dk] decay and delta-rule product), so over a chunk of tokens
+
+    leaving state  = S⁰ + A·S_in          output_t = o⁰_t + Q_t·S_in
+
+with S⁰ and o⁰ the chunk's state and outputs from a zero state. One call of the rule itself gives all four:
+the values widened by dk zero columns, the initial state [0 | I] (dk × (dv + dk)), so the last dk columns
+of its final state are A and those of its outputs Q. Under cp > 1 a rank holds chunks r and 2cp−1−r of
+2cp; for each it runs that call on its own tokens, the CP group all-gathers the [2, B, H, dk, dv + dk]
+summaries (moe_cp::incoming_states, filled in by the CP pass: the scan S_{c+1} = S⁰_c + A_c·S_c in
+sequence order), and each token's output gets Q_t·S_in added. Compute and saved activations shrink with
+cp like attention's (plus dk state columns per head); backward is autograd's through the scan and the
+all-gather's reduce-scatter, so every chunk gets the gradient that later chunks send back.
+
+Installed per mixer instance: its forward, while compiled at cp > 1, runs with the rule's name bound to
+the state-passing form (eagerly it is the class's own forward). Mixers whose rule is not one of these
+(MiniMax's lightning attention) run on the whole sequence instead (models/hf_mixers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import sys
+import types
+
+import torch
+import torch.nn as nn
+
+from ..errors import UnsupportedFeatureError
+
+_COPIES = itertools.count()
+RULES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")  # the modeling modules' global names
+
+
+def _rule_name(fwd) -> str | None:
+    code = inspect.unwrap(fwd).__code__
+    return next((n for n in RULES if n in code.co_names), None)
+
+
+def _state_passing(rule, cp: int, path: str):
+    """``rule`` (same signature) run on this rank's two sequence chunks with the states they enter with."""
+    chunk = inspect.signature(inspect.unwrap(rule)).parameters.get("chunk_size")
+    chunk = chunk.default if chunk is not None and isinstance(chunk.default, int) else None
+
+    @functools.wraps(rule)
+    def run(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
+        if args or initial_state is not None:
+            raise UnsupportedFeatureError(
+                f"{path}: a linear-attention state from a cache under context parallelism (cp={cp}): the CP group "
+                "passes states between its sequence chunks itself; call the model without a cache")
+        b, s, _, dk = key.shape
+        h, dv = value.shape[-2:]
+        if s % 2:
+            raise UnsupportedFeatureError(f"{path}: a shard of {s} tokens under context parallelism (cp={cp}) "
+                                          "does not split into its two sequence chunks")
+        widened = torch.cat([value, value.new_zeros(b, s, h, dk)], -1)
+        start = torch.cat([value.new_zeros(b, h, dk, dv),
+                           torch.eye(dk, dtype=value.dtype, device=value.device).expand(b, h, dk, dk)], -1)
+        if chunk is not None and "chunk_size" not in kwargs:  # a chunk shorter than the rule's chunks: not padded
+            kwargs["chunk_size"] = min(chunk, s // 2)
+        outs, summaries = [], []
+        for part in (slice(0, s // 2), slice(s // 2, s)):
+            out, final = rule(query[:, part], key[:, part], widened[:, part], g[:, part], beta[:, part],
+                              initial_state=start, output_final_state=True, **kwargs)
+            outs.append(out)
+            summaries.append(final)
+        entering = torch.ops.moe_cp.incoming_states(torch.stack(summaries), s, cp)  # [2, b, h, dk, dv]
+        out = torch.cat([(o[..., :dv].float() + torch.einsum("bshk,bhkv->bshv", o[..., dv:].float(), entering[i]))
+                         .to(o.dtype) for i, o in enumerate(outs)], 1)
+        if not output_final_state:
+            return out, None
+        # a cache asked for it (transformers makes one in training too): the state this rank's later chunk
+        # leaves, the sequence's final state on rank 0, as the attention layers' caches hold the shard's keys
+        last = summaries[1][..., :dv] + summaries[1][..., dv:] @ entering[1]
+        return out, last
+
+    return run
+
+
+def use_state_passing(m: nn.Module, cp: int, path: str) -> bool:
+    """Make mixer ``m`` pass states over the CP group when compiled at ``cp`` > 1 (module docstring);
+    False (nothing changed) when its forward calls none of RULES."""
+    fwd = type(m).forward
+    name = _rule_name(fwd)
+    if name is None:
+        return False
+    inner = inspect.unwrap(fwd)
+    # The forward's code over a copy of its module's namespace with the rule's name rebound. The copy is a
+    # module of its own in sys.modules: dynamo guards a function's globals through the module its
+    # __name__ names, and would otherwise read the rule from the modeling module.
+    scope = types.ModuleType(f"_moe_cp_state_passing_{next(_COPIES)}")
+    scope.__dict__.update({k: v for k, v in inner.__globals__.items() if k not in ("__name__", "__spec__")})
+    setattr(scope, name, _state_passing(inner.__globals__[name], cp, path))
+    sys.modules[scope.__name__] = scope
+    sharded = types.FunctionType(inner.__code__, scope.__dict__, inner.__name__, inner.__defaults__,
+                                 inner.__closure__)
+    sharded.__kwdefaults__ = inner.__kwdefaults__
+
+    @functools.wraps(fwd)
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return sharded(self, *args, **kwargs)
+        return fwd(self, *args, **kwargs)
+
+    m.forward = types.MethodType(forward, m)
+    return True
