@@ -423,11 +423,20 @@ def convs_worker(rank: int, world: int) -> dict:
     left = torch.ones_like(b)
     left[1, :5] = 0
     out = {}
-    for case, kw in (("plain", {}), ("left_padding", {"attention_mask": left})):
+    for case, kw in (("plain", {}), ("left_padding", {"attention_mask": left}), ("chunks_of_one", {})):
         model = tiny_family_model("lfm2_moe", seed=0)
         out["kernel"] = model.model.layers[0].conv.conv.kernel_size[0]
-        labels = b.masked_fill(kw.get("attention_mask", torch.ones_like(b)) == 0, -100)
-        out[case] = against_dense(model, spec, input_ids=b, labels=labels, use_cache=False, **kw)
+        x = b[:, :4] if case == "chunks_of_one" else b  # chunks shorter than the kernel: the whole sequence
+        labels = x.masked_fill(kw.get("attention_mask", torch.ones_like(x)) == 0, -100)
+        out[case] = against_dense(model, spec, input_ids=x, labels=labels, use_cache=False, **kw)
+    model = tiny_family_model("lfm2_moe", seed=0)
+    cm = moe_compile(model, spec)
+    cm(input_ids=b, labels=b, use_cache=False)
+    gathers = [n for n in cm.program.graphs["forward"].graph.nodes if "moe_cp.all_gather" in str(n.target)]
+    # (gathered shape, dim) of each: the convolutions' halos [2cp, B, C, k − 1] along dim 0, no whole input
+    out["gathers"] = [(tuple(n.meta["val"].shape), n.args[1]) for n in gathers]
+    out["conv_layers"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Conv1d))
+    cm.close()
     try:
         moe_compile(tiny_family_model("zaya", seed=0), spec)
     except UnsupportedFeatureError as e:
@@ -438,10 +447,17 @@ def convs_worker(rank: int, world: int) -> dict:
 def test_cp2_short_causal_convolutions():
     """Refused before: LFM2's convolution layers under context parallelism. Each short causal convolution
     (kernel 3 here; tokens at every shard boundary read the last tokens of another rank's chunk) convolves
-    the CP group's gathered input in sequence order and keeps this rank's tokens (passes/cp_convs.py); loss
-    and every gradient as the dense model's. Other convolutions are still refused."""
+    each of this rank's chunks behind the k − 1 tokens before it, all-gathered from the chunks' ends
+    (passes/cp_convs.py; until 2026-12-06 it gathered the whole input); chunks of one token shorter than
+    that take the whole sequence. Loss and every gradient as the dense model's. Other convolutions are
+    still refused."""
     for out in run_ranks(convs_worker, 2):
-        assert out.pop("kernel") > 1 and "layers of kind ['hybrid']" in out.pop("zaya"), out
+        k = out.pop("kernel")
+        assert k > 1 and "layers of kind ['hybrid']" in out.pop("zaya"), out
+        gathers, convs = out.pop("gathers"), out.pop("conv_layers")
+        halos = [shape for shape, dim in gathers if dim == 0 and len(shape) == 4 and shape[-1] == k - 1]
+        assert len(halos) == convs > 0 and halos[0][0] == 4, gathers  # 2cp chunks' halos, one gather per conv
+        assert not any(dim == 2 and len(shape) == 3 for shape, dim in gathers), gathers  # no [B, C, S] input
         for case, (got, want, err) in out.items():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 

@@ -1,17 +1,19 @@
-"""cp_causal_convs — a causal convolution over the sequence sees the whole sequence (cp > 1).
+"""cp_causal_convs — a causal convolution over the sequence sees the tokens before its shard (cp > 1).
 
-Glossary: C / CP, S. Short causal convolutions (LFM2's conv layers, Inkling's key and value
-convolutions: depthwise, kernel k, padding k − 1, the output's first tokens kept) mix each token with the
-k − 1 before it, which under context parallelism lie on another rank at every shard boundary (a shard
-is chunks r and 2cp−1−r of 2cp). This pass gathers such a convolution's input over the CP group,
-convolves the whole sequence in sequence order and keeps this rank's tokens:
+Glossary: C / CP, S. Short causal convolutions (LFM2's conv layers, the short convolutions of linear
+attention, Inkling's key and value convolutions: depthwise, kernel k, padding k − 1, the output's first
+tokens kept) mix each token with the k − 1 before it, which under context parallelism lie on another rank
+at every shard boundary (a shard is chunks r and 2cp−1−r of 2cp). This pass gives each of the rank's two
+chunks its halo, the k − 1 tokens before it: every rank's chunks' last k − 1 tokens are all-gathered
+([2cp, B, C, k − 1], sequence order; a zero halo before chunk 0, the convolution's own padding), and
+each chunk is convolved unpadded behind its halo:
 
-    xs = moe_cp::to_sequence(moe_cp::all_gather(x, seq dim))            [B, C, S]
-    y  = conv1d(xs, w, b, padding=k−1, groups)[..., :S]
-    y' = pad(moe_cp::from_sequence(y)[..., r·S/cp : (r+1)·S/cp], (0, k−1))
+    y' = pad(cat(conv1d(halo_r ‖ chunk_r), conv1d(halo_s ‖ chunk_s)), (0, k − 1))    s = 2cp−1−r
 
 y' has the shape of the node it replaces, whose users keep its first S/cp positions as before; backward
-reduce-scatters the input's gradient. A conv1d over the shard's sequence that is not of this form
+reduce-scatters the halos' gradient to the ranks that hold those tokens. Where a chunk is shorter than
+k − 1 the halo would span several chunks: the whole sequence is gathered, convolved in sequence order
+and this rank's tokens kept instead. A conv1d over the shard's sequence that is not of this form
 (strided, dilated, not padded by k − 1, or read past the shard's first S/cp outputs) is refused, naming
 its module. api._check_context_parallel admits models whose every Conv1d is such a short causal one.
 
@@ -75,6 +77,30 @@ def _reads_prefix(user: fx.Node, n: fx.Node, length: int) -> bool:
             and 0 < last.stop <= length)
 
 
+def _halos(x: torch.Tensor, half: int, reach: int, ctx: int, cp: int, rank: int) -> torch.Tensor:
+    """Each of this rank's two chunks (x [B, C, 2·half]: chunks r, 2cp−1−r) with the ``reach`` tokens
+    before it in front, [2, B, C, reach + half]: the chunks' last ``reach`` tokens all-gathered over the
+    CP group in sequence order, a zero halo before chunk 0 (the convolution's own padding). Every rank
+    runs the same ops (its chunk indices are constants)."""
+    chunks = torch.stack([x[..., :half], x[..., half:]])
+    ordered = torch.ops.moe_cp.to_sequence(torch.ops.moe_cp.all_gather(chunks[..., half - reach:], 0, ctx, cp), 0, cp)
+    before = torch.cat([torch.zeros_like(ordered[:1]), ordered])  # before[c]: what precedes chunk c
+    prev = torch.cat([before.narrow(0, rank, 1), before.narrow(0, 2 * cp - 1 - rank, 1)])
+    return torch.cat([prev, chunks], -1)
+
+
+def _with_halos(g: fx.Graph, x: fx.Node, a: dict, k: int, shard: int, cp: int, prog) -> list[fx.Node]:
+    """The convolution over this rank's chunks, each with its k − 1 halo tokens: [B, C, S/cp], this rank's
+    outputs in its own order (no padding needed: the halo is the causal context)."""
+    haloed = g.call_function(_halos, (x, shard // 2, k - 1, prog.ctx_id, cp, prog.cp_rank))
+    flat = g.call_function(torch.flatten, (haloed, 0, 1))  # [2B, C, k − 1 + S/2cp]
+    conv = g.call_function(torch.conv1d, (flat, a["weight"], a["bias"], 1, 0, 1, a["groups"]))
+    pair = g.call_function(torch.unflatten, (conv, 0, (2, -1)))
+    mine = g.call_function(torch.cat, ((g.call_function(operator.getitem, (pair, 0)),
+                                        g.call_function(operator.getitem, (pair, 1))), 2))
+    return [haloed, flat, conv, pair, mine.args[0][0], mine.args[0][1], mine]
+
+
 @moe_pass(requires=Stage.DENSE, ensures=Stage.DENSE)
 def cp_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     prog = ctx.program
@@ -111,16 +137,20 @@ def cp_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"that is not a short causal one (stride 1, dilation 1, padding kernel − 1 = {k - 1}, its first "
                 f"S/cp outputs kept; here stride {a['stride']}, dilation {a['dilation']}, padding {a['padding']})"
                 f"{user_line(n)}: it would see this rank's shard only; use cp=1")
-        seq = shard * cp
         with g.inserting_before(n):
-            gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 2, prog.ctx_id, cp))
-            whole = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, 2, cp))
-            conv = g.call_function(n.target, (whole, *n.args[1:]), dict(n.kwargs))
-            kept = g.call_function(torch.narrow, (conv, 2, 0, seq))
-            ranked = g.call_function(torch.ops.moe_cp.from_sequence.default, (kept, 2, cp))
-            mine = g.call_function(torch.narrow, (ranked, 2, prog.cp_rank * shard, shard))
-            out = g.call_function(F.pad, (mine, (0, k - 1)))
-        new = [gathered, whole, conv, kept, ranked, mine, out]
+            if shard // 2 >= k - 1:
+                new = _with_halos(g, x, a, k, shard, cp, prog)
+            else:  # a chunk shorter than the kernel's reach: the whole sequence
+                seq = shard * cp
+                gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 2, prog.ctx_id, cp))
+                whole = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, 2, cp))
+                conv = g.call_function(n.target, (whole, *n.args[1:]), dict(n.kwargs))
+                kept = g.call_function(torch.narrow, (conv, 2, 0, seq))
+                ranked = g.call_function(torch.ops.moe_cp.from_sequence.default, (kept, 2, cp))
+                new = [gathered, whole, conv, kept, ranked,
+                       g.call_function(torch.narrow, (ranked, 2, prog.cp_rank * shard, shard))]
+            out = g.call_function(F.pad, (new[-1], (0, k - 1)))
+        new.append(out)
         for m in new:
             m.meta.update({key: v for key, v in n.meta.items() if key in ("nn_module_stack", "stack_trace")})
         propagate_fake(new)
