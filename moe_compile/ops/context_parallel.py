@@ -253,8 +253,13 @@ def scan_incoming_states(ordered: torch.Tensor, cp: int, rank: int) -> torch.Ten
     # every rank computes and stacks all 2cp states and narrows out its own two: one graph for every rank
     # (picking two of them would leave ranks' dead scan steps to dead-code elimination, and the programs of
     # an EP group's ranks must match)
-    every = torch.stack(entering)
-    return torch.cat([every.narrow(0, rank, 1), every.narrow(0, 2 * cp - 1 - rank, 1)])
+    return own_chunks(torch.stack(entering), cp, rank)
+
+
+def own_chunks(ordered: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Of ``ordered`` [2cp, …] (one entry per sequence chunk, in sequence order), this rank's chunks r and
+    2cp−1−r, [2, …]; the same ops on every rank (its chunk indices are constants)."""
+    return torch.cat([ordered.narrow(0, rank, 1), ordered.narrow(0, 2 * cp - 1 - rank, 1)])
 
 
 class LossSum(torch.autograd.Function):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
+from ..ops.context_parallel import own_chunks
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 from .context_parallel import _reaches
@@ -85,8 +86,7 @@ def _halos(x: torch.Tensor, half: int, reach: int, ctx: int, cp: int, rank: int)
     chunks = torch.stack([x[..., :half], x[..., half:]])
     ordered = torch.ops.moe_cp.to_sequence(torch.ops.moe_cp.all_gather(chunks[..., half - reach:], 0, ctx, cp), 0, cp)
     before = torch.cat([torch.zeros_like(ordered[:1]), ordered])  # before[c]: what precedes chunk c
-    prev = torch.cat([before.narrow(0, rank, 1), before.narrow(0, 2 * cp - 1 - rank, 1)])
-    return torch.cat([prev, chunks], -1)
+    return torch.cat([own_chunks(before, cp, rank), chunks], -1)
 
 
 def _with_halos(g: fx.Graph, x: fx.Node, a: dict, k: int, shard: int, cp: int, prog) -> list[fx.Node]:
@@ -96,9 +96,8 @@ def _with_halos(g: fx.Graph, x: fx.Node, a: dict, k: int, shard: int, cp: int, p
     flat = g.call_function(torch.flatten, (haloed, 0, 1))  # [2B, C, k − 1 + S/2cp]
     conv = g.call_function(torch.conv1d, (flat, a["weight"], a["bias"], 1, 0, 1, a["groups"]))
     pair = g.call_function(torch.unflatten, (conv, 0, (2, -1)))
-    mine = g.call_function(torch.cat, ((g.call_function(operator.getitem, (pair, 0)),
-                                        g.call_function(operator.getitem, (pair, 1))), 2))
-    return [haloed, flat, conv, pair, mine.args[0][0], mine.args[0][1], mine]
+    first, second = (g.call_function(operator.getitem, (pair, i)) for i in (0, 1))
+    return [haloed, flat, conv, pair, first, second, g.call_function(torch.cat, ((first, second), 2))]
 
 
 @moe_pass(requires=Stage.DENSE, ensures=Stage.DENSE)
@@ -130,6 +129,8 @@ def cp_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"(cp={cp}), not this rank's sequence shard of {shard} tokens{user_line(n)}: only short causal "
                 "convolutions over the sequence are made whole; use cp=1")
         k = int(wv.shape[-1])
+        if k == 1 and _one(a["stride"]) == 1 and _one(a["padding"]) == 0:
+            continue  # pointwise: no token reads another, the shard's own convolution is exact
         causal = _one(a["stride"]) == 1 and _one(a["dilation"]) == 1 and _one(a["padding"]) == k - 1
         if not causal or not n.users or not all(_reads_prefix(u, n, shard) for u in n.users):
             raise UnsupportedFeatureError(
