@@ -552,11 +552,50 @@ def test_cp2_linear_attention():
 
 @pytest.mark.slow
 def test_cp4_linear_attention_passes_states_over_eight_chunks():
-    """cp=4: each rank's two chunks of 4 tokens enter with the states scanned over all 8 chunks. And
+    """cp=4: each rank's two chunks of 4 tokens enter with the states scanned over all 8 chunks (delta rules
+    and Mamba scans). And
     cp=2 × ep_mp=2, whose EP groups span CP ranks: their programs differed (a rank's dead scan steps were
     eliminated), a RuntimeFault "lease plans differ between the ranks of the EP group"."""
     for out in run_ranks(linear_worker, 4, 4):
         _check_linear(out)
+    for out in run_ranks(mamba_worker, 4, 4):  # Mamba-2's chunks of 4 tokens: shorter than its scan's 16
+        _check_mamba(out)
+
+
+def mamba_worker(rank: int, world: int, cp: int = 2) -> dict:
+    """cp=2 (or 4), 32 tokens: Mamba layers beside attention and MoE layers, their scans sharded with states
+    passed between the ranks' chunks. Jamba (Mamba-1: per-channel decays, associative_scan under vmap) on a
+    plain and a left-padded batch; Mamba-2 in Nemotron-H (left-padded) and GraniteMoE-Hybrid. ``whole``:
+    the mixers each program runs whole."""
+    from moe_compile.models.hf import tiny_family_model
+
+    cases = (("jamba", "jamba", False), ("jamba_padded", "jamba", True), ("nemotron_h_padded", "nemotron_h", True),
+             ("granitemoehybrid", "granitemoehybrid", False))
+    out = _padded_cases(world, 12, cases if cp == 2 else cases[:3], mesh=f"cp={cp}")
+    spec = MeshSpec.parse(f"cp={cp}").resolve(world)
+    for family in ("jamba", "nemotron_h", "granitemoehybrid"):
+        cm = moe_compile(tiny_family_model(family, seed=0), spec)
+        out[f"whole {family}"] = cm.program.cp_whole_mixers
+        cm.close()
+    return out
+
+
+def _check_mamba(out: dict) -> None:
+    for family in ("jamba", "nemotron_h", "granitemoehybrid"):
+        assert out.pop(f"whole {family}") == (), out  # its scan passes states: sharded
+    for case, (got, want, err) in out.items():
+        assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
+def test_cp2_mamba_layers_pass_states():
+    """Refused before (Jamba, GraniteMoE-Hybrid) or run on the whole sequence (Nemotron-H's mixer): Mamba
+    layers under context parallelism. Each rank scans its own chunks from a zero state, and adds what the
+    state each chunk enters with contributes (its decays from the same discretised steps), the states
+    scanned over the CP group's chunk summaries with diagonal transitions (models/hf_mamba_states.py).
+    Loss and every gradient as the dense model's; with the entering states zeroed the gradients were 14%
+    (GraniteMoE-Hybrid) to 99% (Jamba) off."""
+    for out in run_ranks(mamba_worker, 2):
+        _check_mamba(out)
 
 
 def test_cp2_indexed_attention():

@@ -79,8 +79,8 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "zaya": dict(num_experts_per_tok=1),  # the config validator allows top-1 only
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0)),  # fields its model needs
-    "nemotron_h": dict(layers_block_type=["full_attention", "moe"]),  # an attention layer for the cache
-    "granitemoehybrid": dict(layer_types=["attention", "attention"]),
+    "nemotron_h": dict(layers_block_type=["mamba", "full_attention", "moe"]),  # the cache needs attention
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),  # a Mamba-2 layer
     "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
 }
 _GROUP_FIELDS = (("n_group", "topk_group"), ("num_expert_group", "topk_group"))

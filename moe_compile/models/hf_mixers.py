@@ -1,9 +1,10 @@
 """Recurrent token mixers under context parallelism: each runs on the whole sequence.
 
-Linear attention carries a state from token to token, so a sequence shard (chunks r and 2cp−1−r of 2cp)
-cannot run it alone. The delta rules transformers ships as plain torch functions (Qwen3-Next,
-Qwen3.5-MoE, Lara, Kimi-Linear, Bailing-Hybrid) pass states between the ranks' chunks instead and stay
-sharded (models/hf_state_passing.py). Any other (MiniMax's lightning attention, written inside its
+Linear attention and Mamba layers carry a state from token to token, so a sequence shard (chunks r and
+2cp−1−r of 2cp) cannot run them alone. The delta rules and Mamba scans transformers ships as plain torch
+functions (Qwen3-Next, Qwen3.5-MoE, Lara, Kimi-Linear, Bailing-Hybrid; Jamba, Nemotron-H,
+GraniteMoE-Hybrid) pass states between the ranks' chunks instead and stay sharded
+(models/hf_state_passing.py). Any other (MiniMax's lightning attention, written inside its
 module's forward) runs on the whole sequence: under cp > 1 its mixer module gets, while compiled, the
 whole sequence's input in sequence order and hands back this rank's tokens:
 
@@ -29,10 +30,10 @@ import torch.nn as nn
 from ..errors import UnsupportedFeatureError
 from .hf_state_passing import use_state_passing
 
-# config.layer_types entries. Mamba layers are not among them: Jamba's selective scan (torch's associative_scan,
-# traced through vmap) fails to compile on the gathered sequence, so "mamba" layers stay refused.
-RECURRENT_KINDS = ("linear_attention",)
-MIXER_NAMES = ("linear_attn", "mixer", "self_attn")  # the mixer child of such a decoder layer
+# config.layer_types / layers_block_type entries (transformers names Mamba layers "linear_attention" in
+# layer_types too). Mamba mixers pass states (models/hf_mamba_states.py); none runs whole.
+RECURRENT_KINDS = ("linear_attention", "mamba")
+MIXER_NAMES = ("linear_attn", "mixer", "mamba", "self_attn")  # the mixer child of such a decoder layer
 
 
 def recurrent_layers(model: nn.Module) -> list[int]:

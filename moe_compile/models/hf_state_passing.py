@@ -16,6 +16,9 @@ sequence order), and each token's output gets Q_t·S_in added. Compute and saved
 cp like attention's (plus dk state columns per head); backward is autograd's through the scan and the
 all-gather's reduce-scatter, so every chunk gets the gradient that later chunks send back.
 
+Mamba's selective scans (Jamba; Nemotron-H and GraniteMoE-Hybrid's Mamba-2) decay their states element by
+element and pass them the same way, with diagonal transitions (models/hf_mamba_states.py).
+
 Installed per mixer instance: its forward, while compiled at cp > 1, runs with the rule's name bound to
 the state-passing form (eagerly it is the class's own forward). Mixers whose rule is not one of these
 (MiniMax's lightning attention) run on the whole sequence instead (models/hf_mixers.py).
@@ -33,14 +36,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import UnsupportedFeatureError
+from .hf_mamba_states import mamba1_form, mamba2_form, no_fused_path
 
 _COPIES = itertools.count()
-RULES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")  # the modeling modules' global names
-
-
-def _rule_name(fwd) -> str | None:
-    code = inspect.unwrap(fwd).__code__
-    return next((n for n in RULES if n in code.co_names), None)
 
 
 def _state_passing(rule, cp: int, path: str):
@@ -83,6 +81,17 @@ def _state_passing(rule, cp: int, path: str):
     return run
 
 
+# the modeling modules' global names a mixer's forward calls → their state-passing forms
+RULES = {"torch_chunk_gated_delta_rule": _state_passing, "chunk_kimi_delta_attention": _state_passing,
+         "mamba_selective_scan": mamba1_form, "mamba2_chunk_scan": mamba2_form}
+ALSO = {"mamba2_chunk_scan": {"mamba2_split_conv1d_scan_combined": no_fused_path}}  # rebound beside the rule
+
+
+def _rule_name(fwd) -> str | None:
+    code = inspect.unwrap(fwd).__code__
+    return next((n for n in RULES if n in code.co_names), None)
+
+
 def use_state_passing(m: nn.Module, cp: int, path: str) -> bool:
     """Make mixer ``m`` pass states over the CP group when compiled at ``cp`` > 1 (module docstring);
     False (nothing changed) when its forward calls none of RULES."""
@@ -96,7 +105,9 @@ def use_state_passing(m: nn.Module, cp: int, path: str) -> bool:
     # __name__ names, and would otherwise read the rule from the modeling module.
     scope = types.ModuleType(f"_moe_cp_state_passing_{next(_COPIES)}")
     scope.__dict__.update({k: v for k, v in inner.__globals__.items() if k not in ("__name__", "__spec__")})
-    setattr(scope, name, _state_passing(inner.__globals__[name], cp, path))
+    for n, form in {name: RULES[name], **ALSO.get(name, {})}.items():
+        if n in inner.__globals__:
+            setattr(scope, n, form(inner.__globals__[n], cp, path))
     sys.modules[scope.__name__] = scope
     sharded = types.FunctionType(inner.__code__, scope.__dict__, inner.__name__, inner.__defaults__,
                                  inner.__closure__)

@@ -227,29 +227,33 @@ def _(x, dim, cp):
 
 
 @torch.library.custom_op("moe_cp::incoming_states", mutates_args=())
-def incoming_states(summaries: torch.Tensor, shard: int, cp: int) -> torch.Tensor:
-    """Marker: the state a linear-attention recurrence enters each of this rank's two sequence chunks with
-    (models/hf_state_passing.py). ``summaries`` [2, B, H, dk, dv + dk] holds, per chunk (r, then
-    2cp−1−r), the state it leaves from a zero state (the first dv columns, S⁰) and its state transition
-    (the last dk, A: leaving state = S⁰ + A·entering state); the result is [2, B, H, dk, dv]. The CP pass
-    puts an all-gather in sequence order and the scan over the 2cp chunks in its place. ``shard``: S/cp."""
+def incoming_states(summaries: torch.Tensor, shard: int, cp: int, diagonal: bool = False) -> torch.Tensor:
+    """Marker: the state a recurrent token mixer enters each of this rank's two sequence chunks with
+    (models/hf_state_passing.py). ``summaries`` [2, B, H, dk, dv + t] holds, per chunk (r, then 2cp−1−r),
+    the state it leaves from a zero state (the first dv columns, S⁰) and its state transition (the last t:
+    leaving state = S⁰ + A·entering state). A is a [dk, dk] matrix (t = dk; the delta rules) or, with
+    ``diagonal``, the [dk] diagonal of one (t = 1; the Mamba scans' decays). The result is [2, B, H, dk,
+    dv]. The CP pass puts an all-gather in sequence order and the scan over the 2cp chunks in its place.
+    ``shard``: S/cp."""
     raise _marker("incoming_states")
 
 
 @incoming_states.register_fake
-def _(summaries, shard, cp):
-    dv = summaries.shape[-1] - summaries.shape[-2]
+def _(summaries, shard, cp, diagonal=False):
+    dv = summaries.shape[-1] - (1 if diagonal else summaries.shape[-2])
     return summaries.new_empty((*summaries.shape[:-1], dv))
 
 
-def scan_incoming_states(ordered: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+def scan_incoming_states(ordered: torch.Tensor, cp: int, rank: int, diagonal: bool = False) -> torch.Tensor:
     """What moe_cp::incoming_states becomes, after the all-gather in sequence order: ``ordered`` [2cp, B, H,
-    dk, dv + dk] holds every chunk's (S⁰ | A); chunk c enters with S_c, S_0 = 0, S_{c+1} = S⁰_c + A_c·S_c.
-    Returns S_r and S_{2cp−1−r}, [2, B, H, dk, dv]. Plain torch ops: autograd runs the scan backward."""
-    dv = ordered.shape[-1] - ordered.shape[-2]
+    dk, dv + t] holds every chunk's (S⁰ | A); chunk c enters with S_c, S_0 = 0, S_{c+1} = S⁰_c + A_c·S_c
+    (A_c ⊙ S_c row by row where ``diagonal``). Returns S_r and S_{2cp−1−r}, [2, B, H, dk, dv]. Plain torch
+    ops: autograd runs the scan backward."""
+    dv = ordered.shape[-1] - (1 if diagonal else ordered.shape[-2])
     entering = [torch.zeros_like(ordered[0, ..., :dv])]
     for c in range(2 * cp - 1):
-        entering.append(ordered[c, ..., :dv] + ordered[c, ..., dv:] @ entering[-1])
+        a = ordered[c, ..., dv:]
+        entering.append(ordered[c, ..., :dv] + (a * entering[-1] if diagonal else a @ entering[-1]))
     # every rank computes and stacks all 2cp states and narrows out its own two: one graph for every rank
     # (picking two of them would leave ranks' dead scan steps to dead-code elimination, and the programs of
     # an EP group's ranks must match)

@@ -251,7 +251,8 @@ def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
                 shard = int(n.args[1])
                 gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 0, prog.ctx_id, cp))
                 ordered = g.call_function(torch.ops.moe_cp.to_sequence.default, (gathered, 0, cp))
-                out = g.call_function(scan_incoming_states, (ordered, cp, prog.cp_rank))
+                diagonal = bool(n.args[3] if len(n.args) > 3 else n.kwargs.get("diagonal", False))
+                out = g.call_function(scan_incoming_states, (ordered, cp, prog.cp_rank, diagonal))
                 _replace(g, n, out, [gathered, ordered, out])
                 continue
             if n.target in WHOLE_SEQUENCE:
@@ -374,8 +375,12 @@ def _keeps(n: fx.Node) -> bool:
     """What dead-code elimination must keep: FX's impure nodes, and in-place writes, which it takes for
     pure when they are Tensor methods. A captured graph writes into buffers through them: HF's MLA
     attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, …) builds its keys with new_empty and two slice copy_'s
-    that nothing reads, and without them SDPA attended over uninitialised keys."""
+    that nothing reads, and without them SDPA attended over uninitialised keys. And functorch's level
+    changes (torch.func.vmap's _vmap_increment/_vmap_decrement_nesting, as Jamba's associative_scan captures
+    them): a level left open broke the next vmapped op (models/hf_mamba_states.py)."""
     if n.is_impure():
+        return True
+    if n.op == "call_function" and getattr(n.target, "__name__", "").endswith("_nesting"):
         return True
     if n.op == "call_function" and getattr(n.target, "__module__", None) == "_operator":
         return False  # operator.and_ / or_: named like in-place methods, but pure (a dead mask of transformers')
