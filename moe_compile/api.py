@@ -22,6 +22,7 @@ from .frontend.baked_attrs import baked_attrs
 from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
+from .models.hf_halos import halo_modules, use_halo_modules
 from .models.hf_indexed import indexed_attention_modules, use_indexed_attention
 from .models.hf_mixers import MIXER_NAMES, RECURRENT_KINDS, recurrent_mixers, use_whole_sequence_mixers
 from .models.hf_sinks import sink_parameter, use_sink_attention
@@ -85,6 +86,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
         use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
         whole_mixers = use_whole_sequence_mixers(model, spec.cp)  # linear attention over the whole sequence
+        use_halo_modules(model, spec.cp)  # Zaya's convolutional attention: each chunk with its halo
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)
@@ -194,11 +196,14 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     # other token mixer would run on this rank's shard alone.
     types = getattr(cfg, "layer_types", None) or []
     kinds = [str(t) for t in list(types) + list(getattr(cfg, "layers_block_type", None) or [])]
-    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)]
+    haloed = tuple(f"{p}." for p in halo_modules(model))  # models/hf_halos.py: these run with halos
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Conv2d)
+             and not n.startswith(haloed)]
     other_conv = next((n for n, m in convs if not _short_causal_conv(m)), None)
     # short causal convolutions (passes/cp_convs.py) make LFM2's conv layers whole, and the convolved keys and
-    # values of Inkling's hybrid layers (whose attention the CP pass then judges); no other conv may mix tokens
-    admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if convs and other_conv is None else ()) \
+    # values of Inkling's hybrid layers (whose attention the CP pass then judges), as halos make Zaya's
+    # convolutional attention (models/hf_halos.py); no other conv may mix tokens
+    admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if (convs or haloed) and other_conv is None else ()) \
         + (("indexed_attention",) if indexed_attention_modules(model) else ()) \
         + (RECURRENT_KINDS if recurrent_mixers(model) else ())  # models/hf_indexed.py, models/hf_mixers.py
     other = sorted({k for k in kinds if k not in admitted

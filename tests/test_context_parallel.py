@@ -414,8 +414,9 @@ def test_cp2_chunked_attention():
 
 def convs_worker(rank: int, world: int) -> dict:
     """cp=2: LFM2-MoE (short causal convolution layers beside attention layers) on a plain and a
-    left-padded batch, against the dense model; Zaya (convolutions without padding, a delayed value state)
-    refused."""
+    left-padded batch, against the dense model; Zaya (its attention's convolutions after its own padding,
+    a delayed value state: run with halos) likewise, refused with projection biases and for chunks
+    shorter than its reach."""
     from moe_compile.models.hf import tiny_family_model
 
     spec = MeshSpec.parse("cp=2").resolve(world)
@@ -437,10 +438,22 @@ def convs_worker(rank: int, world: int) -> dict:
     out["gathers"] = [(tuple(n.meta["val"].shape), n.args[1]) for n in gathers]
     out["conv_layers"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Conv1d))
     cm.close()
+    # a fresh cache, as transformers makes in training when use_cache is not False, and without one
+    for case, kw in (("zaya", {}), ("zaya_left_padding", {"attention_mask": left, "use_cache": False})):
+        model = tiny_family_model("zaya", seed=0)
+        labels = b.masked_fill(kw.get("attention_mask", torch.ones_like(b)) == 0, -100)
+        out[case] = against_dense(model, spec, input_ids=b, labels=labels, **kw)
     try:
-        moe_compile(tiny_family_model("zaya", seed=0), spec)
+        moe_compile(tiny_family_model("zaya", seed=0, attention_bias=True), spec)
     except UnsupportedFeatureError as e:
-        out["zaya"] = str(e)
+        out["zaya biases"] = str(e)
+    cm = moe_compile(tiny_family_model("zaya", seed=0), spec)
+    try:  # chunks of one token, each reading the two before it
+        cm(input_ids=b[:, :4], labels=b[:, :4], use_cache=False)
+    except UnsupportedFeatureError as e:
+        out["zaya chunks_of_one"] = str(e)
+    finally:
+        cm.close()
     return out
 
 
@@ -449,11 +462,14 @@ def test_cp2_short_causal_convolutions():
     (kernel 3 here; tokens at every shard boundary read the last tokens of another rank's chunk) convolves
     each of this rank's chunks behind the k − 1 tokens before it, all-gathered from the chunks' ends
     (passes/cp_convs.py; until 2026-12-06 it gathered the whole input); chunks of one token shorter than
-    that take the whole sequence. Loss and every gradient as the dense model's. Other convolutions are
-    still refused."""
+    that take the whole sequence. Zaya's convolutional attention (refused before) runs on each chunk with
+    the two tokens before it (models/hf_halos.py; with zero halos its gradients were 120% off). Loss and
+    every gradient as the dense model's. Other convolutions are still refused."""
     for out in run_ranks(convs_worker, 2):
         k = out.pop("kernel")
-        assert k > 1 and "layers of kind ['hybrid']" in out.pop("zaya"), out
+        assert k > 1, out
+        assert "q_proj.bias" in out.pop("zaya biases"), out
+        assert "sequence chunks of 1 tokens" in out.pop("zaya chunks_of_one"), out
         gathers, convs = out.pop("gathers"), out.pop("conv_layers")
         halos = [shape for shape, dim in gathers if dim == 0 and len(shape) == 4 and shape[-1] == k - 1]
         assert len(halos) == convs > 0 and halos[0][0] == 4, gathers  # 2cp chunks' halos, one gather per conv

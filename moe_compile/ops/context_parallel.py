@@ -260,6 +260,39 @@ def scan_incoming_states(ordered: torch.Tensor, cp: int, rank: int, diagonal: bo
     return own_chunks(torch.stack(entering), cp, rank)
 
 
+@torch.library.custom_op("moe_cp::with_halos", mutates_args=())
+def with_halos(x: torch.Tensor, reach: int, cp: int) -> torch.Tensor:
+    """Marker: ``x`` [B, S/cp, …] (this rank's chunks r and 2cp−1−r along dim 1) as [2B, reach + S/2cp, …]:
+    each chunk with the ``reach`` tokens before it in front (zeros before chunk 0), the two stacked along
+    the batch (models/hf_halos.py). The CP pass puts halo_batches in its place."""
+    raise _marker("with_halos")
+
+
+@with_halos.register_fake
+def _(x, reach, cp):
+    return x.new_empty((2 * x.shape[0], reach + x.shape[1] // 2, *x.shape[2:]))
+
+
+def chunks_with_halos(x: torch.Tensor, dim: int, reach: int, ctx: int, cp: int, rank: int) -> torch.Tensor:
+    """This rank's two chunks of ``x`` (its S/cp tokens along ``dim``: chunks r, 2cp−1−r), each with the
+    ``reach`` tokens before it in front, stacked: [2, …, reach + S/2cp along dim, …]. The chunks' last
+    ``reach`` tokens are all-gathered over the CP group in sequence order; zeros before chunk 0. Every
+    rank runs the same ops (its chunk indices are constants)."""
+    dim %= x.dim()
+    half = x.shape[dim] // 2
+    chunks = torch.stack([x.narrow(dim, 0, half), x.narrow(dim, half, half)])
+    tails = chunks.narrow(dim + 1, half - reach, reach)
+    ordered = torch.ops.moe_cp.to_sequence(torch.ops.moe_cp.all_gather(tails, 0, ctx, cp), 0, cp)
+    before = torch.cat([torch.zeros_like(ordered[:1]), ordered])  # before[c]: what precedes chunk c
+    return torch.cat([own_chunks(before, cp, rank), chunks], dim + 1)
+
+
+def halo_batches(x: torch.Tensor, reach: int, ctx: int, cp: int, rank: int) -> torch.Tensor:
+    """What moe_cp::with_halos becomes: chunks_with_halos along the sequence (dim 1), flattened into the
+    batch, [2B, reach + S/2cp, …]."""
+    return chunks_with_halos(x, 1, reach, ctx, cp, rank).flatten(0, 1)
+
+
 def own_chunks(ordered: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """Of ``ordered`` [2cp, …] (one entry per sequence chunk, in sequence order), this rank's chunks r and
     2cp−1−r, [2, …]; the same ops on every rank (its chunk indices are constants)."""

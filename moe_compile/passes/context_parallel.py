@@ -57,13 +57,14 @@ import torch.nn.functional as F
 from ..attention_ops import ATTENTION, EFFICIENT, FUSED, SDPA, SINKS, attention_arg, no_sdpa_form
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
-from ..ops.context_parallel import scan_incoming_states
+from ..ops.context_parallel import halo_batches, scan_incoming_states
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
 WHOLE_SEQUENCE = (torch.ops.moe_cp.whole_sequence, torch.ops.moe_cp.whole_sequence.default)
 OWN_TOKENS = (torch.ops.moe_cp.own_tokens, torch.ops.moe_cp.own_tokens.default)
 INCOMING_STATES = (torch.ops.moe_cp.incoming_states, torch.ops.moe_cp.incoming_states.default)
+WITH_HALOS = (torch.ops.moe_cp.with_halos, torch.ops.moe_cp.with_halos.default)
 WHOLE_MASK = (torch.ops.moe_cp.whole_mask, torch.ops.moe_cp.whole_mask.default)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -242,11 +243,21 @@ def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
     narrow(from_sequence(x)), moe_cp::incoming_states → the scan over to_sequence(all_gather(x)) of the
     chunks' state summaries; the shard length S/cp where the graph held any, else 0."""
     marked = [n for n in g.nodes if n.op == "call_function"
-              and n.target in WHOLE_SEQUENCE + OWN_TOKENS + INCOMING_STATES]
+              and n.target in WHOLE_SEQUENCE + OWN_TOKENS + INCOMING_STATES + WITH_HALOS]
     shard = 0
     for n in marked:
         x, dim = n.args[0], n.args[1]
         with g.inserting_before(n):
+            if n.target in WITH_HALOS:  # models/hf_halos.py: the module runs on its chunks with their halos
+                shard = int(x.meta["val"].shape[1])
+                if shard // 2 < dim:
+                    raise UnsupportedFeatureError(
+                        f"{_where(n)}: sequence chunks of {shard // 2} tokens under context parallelism (cp={cp}), "
+                        f"shorter than the {dim} tokens before each that this module reads; use longer sequences "
+                        "or a smaller cp")
+                out = g.call_function(halo_batches, (x, dim, prog.ctx_id, cp, prog.cp_rank))
+                _replace(g, n, out, [out])
+                continue
             if n.target in INCOMING_STATES:  # models/hf_state_passing.py: the mixer itself runs on the shard
                 shard = int(n.args[1])
                 gathered = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 0, prog.ctx_id, cp))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
-from ..ops.context_parallel import own_chunks
+from ..ops.context_parallel import chunks_with_halos, halo_batches
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 from .context_parallel import _reaches
@@ -78,21 +78,10 @@ def _reads_prefix(user: fx.Node, n: fx.Node, length: int) -> bool:
             and 0 < last.stop <= length)
 
 
-def _halos(x: torch.Tensor, half: int, reach: int, ctx: int, cp: int, rank: int) -> torch.Tensor:
-    """Each of this rank's two chunks (x [B, C, 2·half]: chunks r, 2cp−1−r) with the ``reach`` tokens
-    before it in front, [2, B, C, reach + half]: the chunks' last ``reach`` tokens all-gathered over the
-    CP group in sequence order, a zero halo before chunk 0 (the convolution's own padding). Every rank
-    runs the same ops (its chunk indices are constants)."""
-    chunks = torch.stack([x[..., :half], x[..., half:]])
-    ordered = torch.ops.moe_cp.to_sequence(torch.ops.moe_cp.all_gather(chunks[..., half - reach:], 0, ctx, cp), 0, cp)
-    before = torch.cat([torch.zeros_like(ordered[:1]), ordered])  # before[c]: what precedes chunk c
-    return torch.cat([own_chunks(before, cp, rank), chunks], -1)
-
-
 def _with_halos(g: fx.Graph, x: fx.Node, a: dict, k: int, shard: int, cp: int, prog) -> list[fx.Node]:
     """The convolution over this rank's chunks, each with its k − 1 halo tokens: [B, C, S/cp], this rank's
     outputs in its own order (no padding needed: the halo is the causal context)."""
-    haloed = g.call_function(_halos, (x, shard // 2, k - 1, prog.ctx_id, cp, prog.cp_rank))
+    haloed = g.call_function(chunks_with_halos, (x, -1, k - 1, prog.ctx_id, cp, prog.cp_rank))
     flat = g.call_function(torch.flatten, (haloed, 0, 1))  # [2B, C, k − 1 + S/2cp]
     conv = g.call_function(torch.conv1d, (flat, a["weight"], a["bias"], 1, 0, 1, a["groups"]))
     pair = g.call_function(torch.unflatten, (conv, 0, (2, -1)))
@@ -123,6 +112,8 @@ def cp_causal_convs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 "use cp=1")
         if xv.dim() == 3 and xv.shape[-1] == shard * cp and _reaches(x, TO_SEQUENCE):
             continue  # inside a token mixer that runs on the whole sequence (models/hf_mixers.py)
+        if _reaches(x, (halo_batches,)):
+            continue  # inside a module that runs on its chunks with their halos (models/hf_halos.py)
         if xv.dim() != 3 or xv.shape[-1] != shard:
             raise UnsupportedFeatureError(
                 f"{module_path(n) or n.name}: a convolution over an axis of {xv.shape[-1]} under context parallelism "
