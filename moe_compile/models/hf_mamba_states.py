@@ -37,11 +37,19 @@ def _bind(rule, *args, **kwargs) -> dict:
     return named
 
 
-def _halves(s: int, path: str, cp: int) -> tuple[slice, slice]:
+def halves(s: int, path: str, cp: int) -> tuple[slice, slice]:
+    """This rank's two sequence chunks of its shard of ``s`` tokens (shared with the delta rules)."""
     if s % 2:
         raise UnsupportedFeatureError(f"{path}: a shard of {s} tokens under context parallelism (cp={cp}) "
                                       "does not split into its two sequence chunks")
     return slice(0, s // 2), slice(s // 2, s)
+
+
+def cached_state_error(path: str, cp: int) -> UnsupportedFeatureError:
+    """A recurrence handed a state from a cache under CP (shared with the delta rules)."""
+    return UnsupportedFeatureError(
+        f"{path}: a recurrent state from a cache under context parallelism (cp={cp}): the CP group passes "
+        "states between its sequence chunks itself; call the model without a cache")
 
 
 def _step(dt: torch.Tensor, bias, softplus: bool) -> torch.Tensor:
@@ -61,7 +69,7 @@ def mamba1_form(rule, cp: int, path: str):
         s = a["hidden_states"].shape[-1]
         bias = a["delta_bias"]
         outs, summaries, terms = [], [], []
-        for part in _halves(s, path, cp):
+        for part in halves(s, path, cp):
             piece = {k: (v[..., part] if k in ("hidden_states", "dt", "B", "C", "z") and v is not None else v)
                      for k, v in a.items()}
             y0, s0 = rule(**piece, return_last_state=True)  # [B, I, s], [B, I, N]
@@ -94,12 +102,10 @@ def mamba2_form(rule, cp: int, path: str):
     def run(*args, **kwargs):
         a = _bind(rule, *args, **kwargs)
         if a.pop("initial_states") is not None:
-            raise UnsupportedFeatureError(
-                f"{path}: a recurrent state from a cache under context parallelism (cp={cp}): the CP group "
-                "passes states between its sequence chunks itself; call the model without a cache")
+            raise cached_state_error(path, cp)
         want_last = a.pop("return_final_states")
         s, h = a["hidden_states"].shape[1:3]
-        parts = _halves(s, path, cp)
+        parts = halves(s, path, cp)
         a["chunk_size"] = min(int(a["chunk_size"]), s // 2)  # a chunk shorter than the scan's: not padded
         lo, hi = a["dt_limit"]
         outs, summaries, terms = [], [], []

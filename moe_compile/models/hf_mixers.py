@@ -31,7 +31,7 @@ from ..errors import UnsupportedFeatureError
 from .hf_state_passing import use_state_passing
 
 # config.layer_types / layers_block_type entries (transformers names Mamba layers "linear_attention" in
-# layer_types too). Mamba mixers pass states (models/hf_mamba_states.py); none runs whole.
+# layer_types too). The Mamba scans transformers ships pass states (models/hf_mamba_states.py).
 RECURRENT_KINDS = ("linear_attention", "mamba")
 MIXER_NAMES = ("linear_attn", "mixer", "mamba", "self_attn")  # the mixer child of such a decoder layer
 

@@ -35,8 +35,7 @@ import types
 import torch
 import torch.nn as nn
 
-from ..errors import UnsupportedFeatureError
-from .hf_mamba_states import mamba1_form, mamba2_form, no_fused_path
+from .hf_mamba_states import cached_state_error, halves, mamba1_form, mamba2_form, no_fused_path
 
 _COPIES = itertools.count()
 
@@ -49,21 +48,17 @@ def _state_passing(rule, cp: int, path: str):
     @functools.wraps(rule)
     def run(query, key, value, g, beta, *args, initial_state=None, output_final_state=False, **kwargs):
         if args or initial_state is not None:
-            raise UnsupportedFeatureError(
-                f"{path}: a linear-attention state from a cache under context parallelism (cp={cp}): the CP group "
-                "passes states between its sequence chunks itself; call the model without a cache")
+            raise cached_state_error(path, cp)
         b, s, _, dk = key.shape
         h, dv = value.shape[-2:]
-        if s % 2:
-            raise UnsupportedFeatureError(f"{path}: a shard of {s} tokens under context parallelism (cp={cp}) "
-                                          "does not split into its two sequence chunks")
+        parts = halves(s, path, cp)
         widened = torch.cat([value, value.new_zeros(b, s, h, dk)], -1)
         start = torch.cat([value.new_zeros(b, h, dk, dv),
                            torch.eye(dk, dtype=value.dtype, device=value.device).expand(b, h, dk, dk)], -1)
         if chunk is not None and "chunk_size" not in kwargs:  # a chunk shorter than the rule's chunks: not padded
             kwargs["chunk_size"] = min(chunk, s // 2)
         outs, summaries = [], []
-        for part in (slice(0, s // 2), slice(s // 2, s)):
+        for part in parts:
             out, final = rule(query[:, part], key[:, part], widened[:, part], g[:, part], beta[:, part],
                               initial_state=start, output_final_state=True, **kwargs)
             outs.append(out)

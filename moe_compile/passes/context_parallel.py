@@ -249,13 +249,13 @@ def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
         x, dim = n.args[0], n.args[1]
         with g.inserting_before(n):
             if n.target in WITH_HALOS:  # models/hf_halos.py: the module runs on its chunks with their halos
-                shard = int(x.meta["val"].shape[1])
-                if shard // 2 < dim:
+                shard, reach = int(x.meta["val"].shape[1]), int(n.args[1])
+                if shard // 2 < reach:
                     raise UnsupportedFeatureError(
                         f"{_where(n)}: sequence chunks of {shard // 2} tokens under context parallelism (cp={cp}), "
-                        f"shorter than the {dim} tokens before each that this module reads; use longer sequences "
+                        f"shorter than the {reach} tokens before each that this module reads; use longer sequences "
                         "or a smaller cp")
-                out = g.call_function(halo_batches, (x, dim, prog.ctx_id, cp, prog.cp_rank))
+                out = g.call_function(halo_batches, (x, reach, prog.ctx_id, cp, prog.cp_rank))
                 _replace(g, n, out, [out])
                 continue
             if n.target in INCOMING_STATES:  # models/hf_state_passing.py: the mixer itself runs on the shard
