@@ -17,6 +17,12 @@ def env_worker(rank, world):
     return {"var": os.environ.get(VAR), "rank": os.environ["RANK"], "pid": os.getpid(), "ppid": os.getppid()}
 
 
+def threads_worker(rank, world):
+    import torch
+
+    return torch.get_num_threads()
+
+
 def failing_worker(rank, world):
     if rank == 1:
         raise ValueError("rank one's own fault")
@@ -36,6 +42,13 @@ def test_forkserver_ranks_see_their_own_env_only():
     pids = {r["pid"] for r in first + second}
     assert len(pids) == 4 and os.getpid() not in pids  # a process per rank, never this one
     assert os.environ.get(VAR) is None  # and the caller's env is as it was
+
+
+def test_ranks_take_the_thread_count_they_are_given():
+    """OMP_NUM_THREADS in a rank's env wins: the harness sets 1 (xdist workers already share the cores) and
+    the ranks had split the host's cores among themselves regardless (2 threads for one rank here)."""
+    assert spawn_ranks(threads_worker, 2, env={"OMP_NUM_THREADS": "3"}, timeout=120) == [3, 3]
+    assert spawn_ranks(threads_worker, 1, env={"OMP_NUM_THREADS": "1"}, timeout=120) == [1]
 
 
 def test_forkserver_reports_the_failing_rank_first():

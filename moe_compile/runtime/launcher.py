@@ -50,13 +50,20 @@ class RankFailure(RuntimeError):
         super().__init__("\n".join(parts))
 
 
+def _threads(world: int) -> int:
+    """Intra-op threads per rank: $OMP_NUM_THREADS where set, else this host's cores shared by the ranks."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // world)
+
+
 def _worker(rank: int, world: int, store_dir: str, fn: Callable, args: tuple, q: Any, init_timeout: float,
             env: dict[str, str]) -> None:
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world), str(rank)
     # Share the cores: oversubscribed OpenMP pools spin against each other and stall every collective.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # An OMP_NUM_THREADS the caller set wins (the forkserver imported torch before this rank's env arrived).
+    torch.set_num_threads(_threads(world))
     try:
         store = dist.FileStore(os.path.join(store_dir, "store"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
