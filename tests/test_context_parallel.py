@@ -527,17 +527,23 @@ def indexed_worker(rank: int, world: int) -> dict:
 
 
 def linear_worker(rank: int, world: int, cp: int = 2) -> dict:
-    """cp=2 (or 4), 32 tokens: linear-attention layers beside attention layers. The delta rules pass states
-    between the ranks' sequence chunks: Kimi-Linear (Kimi delta attention with short convolutions, MLA
+    """cp=2 (or 4), 32 tokens: linear-attention layers beside attention layers, passing states between the
+    ranks' sequence chunks. Delta rules: Kimi-Linear (Kimi delta attention with short convolutions, MLA
     attention without positions) on a plain and a left-padded batch, Lara (gated delta rule beside
-    sliding-window layers). MiniMax (lightning attention) runs on the whole sequence (at cp=2).
-    At cp=4 also Kimi-Linear at cp=2 × ep_mp=2. ``whole``: the mixers each program runs whole. (Qwen3-Next and Qwen3.5-MoE are within fp32's error of
-    the CP order of sums, not of one dense pass, at 1e-5: the families sweep checks them so.)"""
+    sliding-window layers); MiniMax's lightning attention (one decay per head) on both batches. At cp=4 the
+    padded batches (their states pass over 8 chunks, 2 wholly padding) and Lara, and Kimi-Linear at
+    cp=2 × ep_mp=2; at cp=2 also MiniMax with its state passing taken away: the whole-sequence fallback
+    (models/hf_mixers.py). ``whole``: the mixers each program runs whole. (Qwen3-Next and Qwen3.5-MoE are
+    within fp32's error of the CP order of sums, not of one dense pass, at 1e-5: the families sweep checks
+    them so.)"""
+    from unittest import mock
+
+    from moe_compile.models import hf_state_passing
     from moe_compile.models.hf import tiny_family_model
 
     cases = (("kimi_linear", "kimi_linear", False), ("kimi_linear_padded", "kimi_linear", True),
-             ("lara_mini", "lara_mini", False), ("minimax", "minimax", False))
-    out = _padded_cases(world, 12, cases if cp == 2 else cases[:3], mesh=f"cp={cp}")
+             ("lara_mini", "lara_mini", False), ("minimax", "minimax", False), ("minimax_padded", "minimax", True))
+    out = _padded_cases(world, 12, cases if cp == 2 else (*cases[1:3], cases[4]), mesh=f"cp={cp}")
     if cp == 4:  # the same four ranks as cp=2 × ep_mp=2: every rank's program must match its EP group's
         out.update(_padded_cases(world, 12, (("kimi_linear_ep", "kimi_linear", False),), mesh="cp=2,ep_mp=2"))
     spec = MeshSpec.parse(f"cp={cp}").resolve(world)
@@ -545,12 +551,20 @@ def linear_worker(rank: int, world: int, cp: int = 2) -> dict:
         cm = moe_compile(tiny_family_model(family, seed=0), spec)
         out[f"whole {family}"] = cm.program.cp_whole_mixers
         cm.close()
+    if cp == 2:
+        with mock.patch.object(hf_state_passing, "use_lightning_states", lambda m, cp, path: False):
+            out.update(_padded_cases(world, 12, (("minimax_whole", "minimax", True),)))
+            cm = moe_compile(tiny_family_model("minimax", seed=0), spec)
+            out["whole minimax_whole"] = cm.program.cp_whole_mixers
+            cm.close()
     return out
 
 
 def _check_linear(out: dict) -> None:
     assert out.pop("whole kimi_linear") == (), out  # its delta rule passes states: sharded
-    assert out.pop("whole minimax") == ("model.layers.1.self_attn",), out  # lightning attention: whole
+    assert out.pop("whole minimax") == (), out  # lightning attention passes states: sharded
+    if "whole minimax_whole" in out:  # without its state passing: the fallback runs the mixer whole
+        assert out.pop("whole minimax_whole") == ("model.layers.1.self_attn",), out
     for case, (got, want, err) in out.items():
         assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
@@ -558,18 +572,20 @@ def _check_linear(out: dict) -> None:
 def test_cp2_linear_attention():
     """Refused before: linear-attention layers under context parallelism (their state runs from token to
     token across the shards). A delta rule runs on each rank's own chunks from the states they enter with,
-    scanned over the CP group's chunk summaries (models/hf_state_passing.py); other linear attention runs on
-    the CP group's gathered input in sequence order and keeps this rank's tokens (models/hf_mixers.py).
-    Loss and every gradient as the dense model's, so each chunk gets the gradient that later chunks send
-    back (with zero entering states Kimi-Linear's loss was 1.5e-3 off, its gradients 110%)."""
+    scanned over the CP group's chunk summaries (models/hf_state_passing.py); MiniMax's lightning attention
+    (ran whole before 2026-12-07) runs its module's forward on its chunks from the states they enter with
+    (models/hf_lightning_states.py); a mixer that passes no states runs on the CP group's gathered input in
+    sequence order and keeps this rank's tokens (models/hf_mixers.py). Loss and every gradient as the dense
+    model's, so each chunk gets the gradient that later chunks send back (with zero entering states
+    Kimi-Linear's loss was 1.5e-3 off, its gradients 110%; MiniMax's gradients 81% and 95% off)."""
     for out in run_ranks(linear_worker, 2):
         _check_linear(out)
 
 
 @pytest.mark.slow
 def test_cp4_linear_attention_passes_states_over_eight_chunks():
-    """cp=4: each rank's two chunks of 4 tokens enter with the states scanned over all 8 chunks (delta rules
-    and Mamba scans). And
+    """cp=4: each rank's two chunks of 4 tokens enter with the states scanned over all 8 chunks (delta rules,
+    lightning attention and Mamba scans; left-padded batches, 2 of whose chunks are wholly padding). And
     cp=2 × ep_mp=2, whose EP groups span CP ranks: their programs differed (a rank's dead scan steps were
     eliminated), a RuntimeFault "lease plans differ between the ranks of the EP group"."""
     for out in run_ranks(linear_worker, 4, 4):
@@ -587,7 +603,7 @@ def mamba_worker(rank: int, world: int, cp: int = 2) -> dict:
 
     cases = (("jamba", "jamba", False), ("jamba_padded", "jamba", True), ("nemotron_h_padded", "nemotron_h", True),
              ("granitemoehybrid", "granitemoehybrid", False))
-    out = _padded_cases(world, 12, cases if cp == 2 else cases[:3], mesh=f"cp={cp}")
+    out = _padded_cases(world, 12, cases if cp == 2 else cases[1:3], mesh=f"cp={cp}")  # cp=4: padded ones
     spec = MeshSpec.parse(f"cp={cp}").resolve(world)
     for family in ("jamba", "nemotron_h", "granitemoehybrid"):
         cm = moe_compile(tiny_family_model(family, seed=0), spec)

@@ -191,13 +191,30 @@ def _cp_saved(tmp_path, family: str, seq: int) -> tuple[dict, dict, int]:
 
 
 def test_explain_whole_sequence_linear_attention_memory_does_not_shrink_with_cp(tmp_path):
-    """MiniMax's lightning-attention layers run on the whole sequence on every CP rank (models/hf_mixers.py),
-    so their saved activations do not divide by cp. The cp=2 explain's projection for cp=4 against what the
-    cp=4 explain measures at S=64 (within 2%; 0.6% here, 19% high while the whole share counted the
-    weights' transposes, which are not saved bytes; dividing everything by cp is 27% low)."""
-    two, four, predicted = _cp_saved(tmp_path, "minimax", 64)
+    """A recurrent mixer that passes no states runs on the whole sequence on every CP rank
+    (models/hf_mixers.py), so its saved activations do not divide by cp: MiniMax's lightning attention with
+    its state passing taken away (as it ran before 2026-12-07). The cp=2 explain's projection for cp=4
+    against what the cp=4 explain measures at S=64 (within 2%; 0.6% here, 19% high while the whole share
+    counted the weights' transposes, which are not saved bytes; dividing everything by cp is 27% low)."""
+    from unittest import mock
+
+    from moe_compile.models import hf_state_passing
+
+    with mock.patch.object(hf_state_passing, "use_lightning_states", lambda m, cp, path: False):
+        two, four, predicted = _cp_saved(tmp_path, "minimax", 64)
     assert 0 < two["whole_saved_bytes"] <= two["saved_bytes"]
     assert abs(predicted - four["saved_bytes"]) <= 0.02 * four["saved_bytes"], (predicted, four["saved_bytes"])
+
+
+def test_explain_lightning_attention_memory_shrinks_with_cp(tmp_path):
+    """MiniMax's lightning attention passes states between the CP ranks' chunks (models/hf_lightning_states.py):
+    none of its layers runs whole, and at S=256 the saved activations at cp=4 are about half those at cp=2
+    (2.24 MB → 1.21 MB; 3.32 MB → 2.65 MB when the layer ran on the whole sequence), within 5% of the cp=2
+    explain's projection (1% here)."""
+    two, four, predicted = _cp_saved(tmp_path, "minimax", 256)
+    assert two["whole_saved_bytes"] == 0
+    assert four["saved_bytes"] <= 0.6 * two["saved_bytes"], (two["saved_bytes"], four["saved_bytes"])
+    assert abs(predicted - four["saved_bytes"]) <= 0.05 * four["saved_bytes"], (predicted, four["saved_bytes"])
 
 
 def test_explain_state_passing_linear_attention_memory_shrinks_with_cp(tmp_path):

@@ -1,12 +1,12 @@
-"""Recurrent token mixers under context parallelism: each runs on the whole sequence.
+"""Recurrent token mixers under context parallelism: those that pass no states run on the whole sequence.
 
 Linear attention and Mamba layers carry a state from token to token, so a sequence shard (chunks r and
 2cp−1−r of 2cp) cannot run them alone. The delta rules and Mamba scans transformers ships as plain torch
 functions (Qwen3-Next, Qwen3.5-MoE, Lara, Kimi-Linear, Bailing-Hybrid; Jamba, Nemotron-H,
-GraniteMoE-Hybrid) pass states between the ranks' chunks instead and stay sharded
-(models/hf_state_passing.py). Any other (MiniMax's lightning attention, written inside its
-module's forward) runs on the whole sequence: under cp > 1 its mixer module gets, while compiled, the
-whole sequence's input in sequence order and hands back this rank's tokens:
+GraniteMoE-Hybrid) and MiniMax's lightning attention pass states between the ranks' chunks instead and
+stay sharded (models/hf_state_passing.py, models/hf_lightning_states.py). Any other (none of the families
+transformers ships today; a user's own) runs on the whole sequence: under cp > 1 its mixer module gets,
+while compiled, the whole sequence's input in sequence order and hands back this rank's tokens:
 
     hidden_states (and any [B, S/cp, …] argument: the padding mask, positions) → moe_cp::whole_sequence
     its output (the first element of a tuple)                                  → moe_cp::own_tokens
@@ -108,7 +108,7 @@ def use_whole_sequence_mixers(model: nn.Module, cp: int) -> list[str]:
     the module paths that run on the whole sequence."""
     paths = []
     for path, m in (recurrent_mixers(model) or {}).values():
-        if use_state_passing(m, cp, path):  # a delta rule: sharded, the ranks pass states (hf_state_passing.py)
+        if use_state_passing(m, cp, path):  # sharded, the ranks pass states (hf_state_passing.py)
             continue
         if getattr(m, "_moe_cp_mixer", None) is None:
             m.register_forward_pre_hook(_before, with_kwargs=True)

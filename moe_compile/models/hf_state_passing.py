@@ -19,9 +19,12 @@ all-gather's reduce-scatter, so every chunk gets the gradient that later chunks 
 Mamba's selective scans (Jamba; Nemotron-H and GraniteMoE-Hybrid's Mamba-2) decay their states element by
 element and pass them the same way, with diagonal transitions (models/hf_mamba_states.py).
 
+MiniMax's lightning attention, written inside its module's forward, passes states by running that forward
+from the states its chunks enter with (models/hf_lightning_states.py).
+
 Installed per mixer instance: its forward, while compiled at cp > 1, runs with the rule's name bound to
-the state-passing form (eagerly it is the class's own forward). Mixers whose rule is not one of these
-(MiniMax's lightning attention) run on the whole sequence instead (models/hf_mixers.py).
+the state-passing form (eagerly it is the class's own forward). Mixers that pass no states run on the
+whole sequence instead (models/hf_mixers.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import types
 import torch
 import torch.nn as nn
 
+from .hf_lightning_states import use_lightning_states
 from .hf_mamba_states import cached_state_error, halves, mamba1_form, mamba2_form, no_fused_path
 
 _COPIES = itertools.count()
@@ -93,7 +97,7 @@ def use_state_passing(m: nn.Module, cp: int, path: str) -> bool:
     fwd = type(m).forward
     name = _rule_name(fwd)
     if name is None:
-        return False
+        return use_lightning_states(m, cp, path)
     inner = inspect.unwrap(fwd)
     # The forward's code over a copy of its module's namespace with the rule's name rebound. The copy is a
     # module of its own in sys.modules: dynamo guards a function's globals through the module its
