@@ -1,5 +1,4 @@
-"""Suite-wide set-up: each xdist worker uses its share of the cores (OMP_NUM_THREADS, inherited by what it
-starts). Suite-wide checks: no shared-memory segment is left in /dev/shm, and no launcher (in this process,
+"""Suite-wide checks: no shared-memory segment is left in /dev/shm, and no launcher (in this process,
 an xdist worker or a `moe-compile train` subprocess) had to remove segments the runtime should have
 freed itself. The launcher's own cleanup would hide such a leak from the /dev/shm check, so it
 reports what it removed to the file $MOE_COMPILE_SHM_CLEANUP_LOG names (set here, inherited by every
@@ -24,21 +23,7 @@ def _segments() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("moe_compile_")}
 
 
-def _share_cores() -> None:
-    """An xdist worker takes its share of the cores (torch defaults to all of them in every worker, and
-    oversubscribed OpenMP pools spin against each other); what it starts (ranks, CLI runs) inherits it."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-    given = os.environ["OMP_NUM_THREADS"]
-    if given.isdigit() and int(given) > 0:
-        import torch
-
-        torch.set_num_threads(int(given))
-
-
 def pytest_configure(config):
-    if hasattr(config, "workerinput"):
-        _share_cores()
     if not hasattr(config, "workerinput"):
         _BEFORE.update(_segments())
     if hasattr(config, "workerinput") or os.environ.get(CLEANUP_LOG_ENV):
