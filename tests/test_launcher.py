@@ -45,8 +45,8 @@ def test_forkserver_ranks_see_their_own_env_only():
 
 
 def test_ranks_take_the_thread_count_they_are_given():
-    """OMP_NUM_THREADS in a rank's env wins: the harness sets 1 (xdist workers already share the cores) and
-    the ranks had split the host's cores among themselves regardless (2 threads for one rank here)."""
+    """OMP_NUM_THREADS in a rank's env wins: the harness sets 1 (its xdist workers already fill the cores),
+    and the ranks had split the host's cores among themselves regardless (2 threads for one rank here)."""
     assert spawn_ranks(threads_worker, 2, env={"OMP_NUM_THREADS": "3"}, timeout=120) == [3, 3]
     assert spawn_ranks(threads_worker, 1, env={"OMP_NUM_THREADS": "1"}, timeout=120) == [1]
 
