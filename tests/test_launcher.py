@@ -23,6 +23,12 @@ def threads_worker(rank, world):
     return torch.get_num_threads()
 
 
+def modules_worker(rank, world):
+    import sys
+
+    return "transformers.modeling_utils" in sys.modules
+
+
 def failing_worker(rank, world):
     if rank == 1:
         raise ValueError("rank one's own fault")
@@ -49,6 +55,13 @@ def test_ranks_take_the_thread_count_they_are_given():
     and the ranks had split the host's cores among themselves regardless (2 threads for one rank here)."""
     assert spawn_ranks(threads_worker, 2, env={"OMP_NUM_THREADS": "3"}, timeout=120) == [3, 3]
     assert spawn_ranks(threads_worker, 1, env={"OMP_NUM_THREADS": "1"}, timeout=120) == [1]
+
+
+def test_forkserver_ranks_start_with_transformers_imported():
+    """The server imports transformers' model code once (about 2 s of CPU a rank otherwise, in every rank
+    that builds a Hugging Face model); a spawned rank starts without it (this file does not import it)."""
+    assert spawn_ranks(modules_worker, 2, start_method="forkserver", timeout=120) == [True, True]
+    assert spawn_ranks(modules_worker, 1, start_method="spawn", timeout=120) == [False]
 
 
 def test_forkserver_reports_the_failing_rank_first():

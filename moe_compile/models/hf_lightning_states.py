@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
-import sys
 import types
 
 import torch
 import torch.nn as nn
 
 from .hf_mamba_states import cached_state_error, halves
+from .hf_rebind import namespace_copy, rebound
 
-_COPIES = itertools.count()
 _BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
@@ -57,24 +55,14 @@ def use_lightning_states(m: nn.Module, cp: int, path: str) -> bool:
     if not is_lightning_attention(m):
         return False
     fwd = type(m).forward
-    inner = inspect.unwrap(fwd)
     entering: dict = {"state": None}  # what the next call's zero state is (None: zeros)
 
     def zeros(*size, **kwargs):
         state = entering["state"]
         return torch.zeros(*size, **kwargs) if state is None else state.to(kwargs.get("dtype") or state.dtype)
 
-    # The forward's code over a copy of its module's namespace whose `torch` makes the entering state where the
-    # forward makes its zero state (a module of its own in sys.modules: dynamo guards globals through it).
-    shim = types.ModuleType(f"_moe_cp_lightning_torch_{next(_COPIES)}")
-    shim.__dict__.update({k: v for k, v in vars(torch).items() if k not in ("__name__", "__spec__")})
-    shim.zeros = zeros
-    scope = types.ModuleType(f"_moe_cp_lightning_{next(_COPIES)}")
-    scope.__dict__.update({k: v for k, v in inner.__globals__.items() if k not in ("__name__", "__spec__")})
-    scope.torch = shim
-    sys.modules[shim.__name__], sys.modules[scope.__name__] = shim, scope
-    run = types.FunctionType(inner.__code__, scope.__dict__, inner.__name__, inner.__defaults__, inner.__closure__)
-    run.__kwdefaults__ = inner.__kwdefaults__
+    # the forward with a `torch` whose zeros make the entering state where the forward makes its zero state
+    run = rebound(fwd, "_moe_cp_lightning", torch=namespace_copy(vars(torch), "_moe_cp_lightning_torch", zeros=zeros))
     params = inspect.signature(fwd)
 
     @functools.wraps(fwd)

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
-import sys
 import types
 
 import torch
@@ -40,8 +38,7 @@ import torch.nn as nn
 
 from .hf_lightning_states import use_lightning_states
 from .hf_mamba_states import cached_state_error, halves, mamba1_form, mamba2_form, no_fused_path
-
-_COPIES = itertools.count()
+from .hf_rebind import rebound
 
 
 def _state_passing(rule, cp: int, path: str):
@@ -99,18 +96,9 @@ def use_state_passing(m: nn.Module, cp: int, path: str) -> bool:
     if name is None:
         return use_lightning_states(m, cp, path)
     inner = inspect.unwrap(fwd)
-    # The forward's code over a copy of its module's namespace with the rule's name rebound. The copy is a
-    # module of its own in sys.modules: dynamo guards a function's globals through the module its
-    # __name__ names, and would otherwise read the rule from the modeling module.
-    scope = types.ModuleType(f"_moe_cp_state_passing_{next(_COPIES)}")
-    scope.__dict__.update({k: v for k, v in inner.__globals__.items() if k not in ("__name__", "__spec__")})
-    for n, form in {name: RULES[name], **ALSO.get(name, {})}.items():
-        if n in inner.__globals__:
-            setattr(scope, n, form(inner.__globals__[n], cp, path))
-    sys.modules[scope.__name__] = scope
-    sharded = types.FunctionType(inner.__code__, scope.__dict__, inner.__name__, inner.__defaults__,
-                                 inner.__closure__)
-    sharded.__kwdefaults__ = inner.__kwdefaults__
+    forms = {n: form(inner.__globals__[n], cp, path)
+             for n, form in {name: RULES[name], **ALSO.get(name, {})}.items() if n in inner.__globals__}
+    sharded = rebound(fwd, "_moe_cp_state_passing", **forms)  # the forward with the rule's name rebound
 
     @functools.wraps(fwd)
     def forward(self, *args, **kwargs):

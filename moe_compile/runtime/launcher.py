@@ -107,9 +107,10 @@ def _context(start_method: str):
     if start_method != "forkserver":
         raise ValueError(f"spawn_ranks: start_method must be 'spawn' or 'forkserver', not {start_method!r}")
     ctx = mp.get_context("forkserver")
-    # The server imports torch, dynamo and moe_compile once (about 3 s of CPU per process otherwise) and
-    # runs nothing, so every rank forks from a process that holds no threads and no compiled state.
-    ctx.set_forkserver_preload(["moe_compile"])
+    # The server imports torch, dynamo, moe_compile and transformers' model code once (about 3 s and 2 s of
+    # CPU per rank otherwise; transformers starts no threads on import) and runs nothing, so every rank
+    # forks from a process that holds no threads and no compiled state.
+    ctx.set_forkserver_preload(["moe_compile", "transformers.modeling_utils"])
     return ctx
 
 
