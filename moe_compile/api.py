@@ -25,6 +25,7 @@ from .mesh import MeshSpec
 from .models.hf_halos import halo_modules, use_halo_modules
 from .models.hf_indexed import indexed_attention_modules, use_indexed_attention
 from .models.hf_mixers import MIXER_NAMES, RECURRENT_KINDS, recurrent_mixers, use_whole_sequence_mixers
+from .models.hf_qsa import use_static_qsa
 from .models.hf_sinks import sink_parameter, use_sink_attention
 from .options import CompileOptions, schedule_without_pipeline
 from .program import Program
@@ -87,6 +88,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
         whole_mixers = use_whole_sequence_mixers(model, spec.cp)  # linear attention over the whole sequence
         use_halo_modules(model, spec.cp)  # Zaya's convolutional attention: each chunk with its halo
+    use_static_qsa(model)  # Qwen4-Exp: its token indexer's per-query loop as one static graph
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
     if groups is not None:
         _broadcast_from_rank0(model)

@@ -75,7 +75,7 @@ def _router_reads(spec: MoEBlockSpec) -> tuple[set[str], set[str]] | None:
     if r.own_forward:
         return None
     exact = {a for a in (r.weight_attr, r.logit_bias_attr, r.input_scale_attr, r.expert_scale_attr,
-                         r.weight_scale_attr) if a}
+                         r.weight_scale_attr, r.hash_table_attr) if a}
     if r.bias_in_router and spec.router_attr and r.bias_attr.startswith(spec.router_attr + "."):
         exact.add(r.bias_attr[len(spec.router_attr) + 1:])
     return exact, {a for a in (r.input_norm_attr,) if a}

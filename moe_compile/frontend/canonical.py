@@ -70,10 +70,10 @@ def _bias(owner: nn.Module, attr: str | None) -> torch.Tensor | None:
 
 
 def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.Tensor | None,
-          logits: torch.Tensor | None = None):
+          logits: torch.Tensor | None = None, hash_idx: torch.Tensor | None = None):
     """(logits, weights, idx) of the canonical router for flattened tokens ``x2 [T, d]`` (or for ``logits``
-    a router network computed); a router that also scores the shared experts (``shared_scored``) returns
-    (routed logits, weights, idx, gammas)."""
+    a router network computed; ``hash_idx`` [T, K]: the experts a hash router's table gives them); a router
+    that also scores the shared experts (``shared_scored``) returns (routed logits, weights, idx, gammas)."""
     r = spec.router
     if logits is None and r.logits_from_forward:
         raise UnsupportedFeatureError(
@@ -98,9 +98,19 @@ def route(router: nn.Module, spec: MoEBlockSpec, x2: torch.Tensor, bias: torch.T
         return logits, expert_scaled(router, r, weights, idx), idx, gammas
     weights, idx = torch.ops.moe.router(
         logits, bias, r.top_k, r.score_func, r.renormalize, r.scaling, r.fp32_weights, spec.path,
-        r.n_group, r.topk_group, r.group_score, r.bias_on,
+        r.n_group, r.topk_group, r.group_score, r.bias_on, hash_idx,
     )
     return logits, expert_scaled(router, r, weights, idx), idx
+
+
+def _hash_idx(router: nn.Module, spec: MoEBlockSpec, args: tuple, kwargs: dict) -> torch.Tensor:
+    """[T, K] expert indices of a hash router: its table's rows at the token ids the block passes it."""
+    ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
+    if ids is None:
+        raise UnsupportedFeatureError(
+            f"{spec.path}.{spec.router_attr}: a hash router (routing by token id) was called without token ids: "
+            "its block must pass the model's input_ids (a model run from inputs_embeds has none to route by)")
+    return _bias(router, spec.router.hash_table_attr)[ids.reshape(-1)]
 
 
 def routed(experts: nn.Module, spec: MoEBlockSpec, ctx: int, x2, idx, weights) -> torch.Tensor:
@@ -135,11 +145,12 @@ def _router_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs):
     else:
         bias = _bias(self, self._moe_bias_attr)
     logits, extra = None, ()
+    hash_idx = _hash_idx(self, spec, args, kwargs) if spec.router.hash_table_attr else None
     if spec.router.logits_from_forward:  # the router network's own forward, as dense graph code
         own = type(self).forward(self, hidden, *args, **kwargs)
         logits = own[spec.router.outputs.index("logits")].reshape(x2.shape[0], -1)
         extra = tuple(own[len(spec.router.outputs):])  # what it returns after its three (Zaya: the next layer's state)
-    out = dict(zip(("logits", "weights", "indices"), route(self, spec, x2, bias, logits), strict=True))
+    out = dict(zip(("logits", "weights", "indices"), route(self, spec, x2, bias, logits, hash_idx), strict=True))
     return (*(out[k] for k in spec.router.outputs), *extra)
 
 

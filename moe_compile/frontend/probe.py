@@ -34,6 +34,7 @@ from .structure import LB_ATTRS, Z_ATTRS
 PROBE_TOKENS = 48
 EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROBE_LOGIT_STD = 2.0  # spread of the router logits on the probe batch
+PROBE_VOCAB = 4 * PROBE_TOKENS  # token ids of the probe batch of a hash router: 0 .. PROBE_VOCAB − 1
 
 
 # -- probe -------------------------------------------------------------------------------------
@@ -80,11 +81,16 @@ def _probe_router(c: Candidate, gen: torch.Generator):
     scales = [getattr(router, a) for a in (c.router_extras.get("input_scale_attr"), c.router_extras.get("expert_scale_attr"),
                                            c.router_extras.get("weight_scale_attr"))
               if a]  # ones would hide whether (and where) they multiply
-    saved = [t.detach().clone() for t in tensors + scales]
+    table = _bias(router, c.router_extras["hash_table_attr"]) if c.router_extras.get("hash_table_attr") else None
+    saved = [t.detach().clone() for t in tensors + scales + ([table] if table is not None else [])]
     try:
         with torch.no_grad():
             n, d = w.shape
             w.copy_(torch.randn(n, d, generator=gen).to(w) * (PROBE_LOGIT_STD / d**0.5))
+            if table is not None:  # K distinct experts for the tokens the probe uses (a zero table would send
+                v = min(table.shape[0], PROBE_VOCAB)  # every token to expert 0 twice)
+                rows = torch.rand(v, n, generator=gen).argsort(dim=-1)[:, : table.shape[1]]
+                table[:v] = rows.to(table)
             for t in tensors[1:]:
                 t.copy_(torch.randn(t.shape, generator=gen).to(t) * 0.5)
             for t in scales:
@@ -92,7 +98,7 @@ def _probe_router(c: Candidate, gen: torch.Generator):
         yield
     finally:
         with torch.no_grad():
-            for t, v in zip(tensors + scales, saved, strict=True):
+            for t, v in zip(tensors + scales + ([table] if table is not None else []), saved, strict=True):
                 t.copy_(v)
 
 
@@ -156,10 +162,10 @@ def _returns_logits(out: object) -> bool:
     return isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and out[1].dim() > 0
 
 
-def _reference(c: Candidate, x: torch.Tensor, mode: str):
-    """The block's own output on the probe batch, and (components mode) the order of its router's tuple,
-    read from what the router returned: indices are the integer tensor, logits the float [T, N] one,
-    weights the float [T, K] one."""
+def _reference(c: Candidate, x: torch.Tensor, mode: str, call=None):
+    """The block's own output on the probe batch (``call(x)``, the block by default), and (components mode)
+    the order of its router's tuple, read from what the router returned: indices are the integer tensor,
+    logits the float [T, N] one, weights the float [T, K] one."""
     router = getattr(c.block, c.router_attr)
     seen: list[object] = []
     saved = router.__dict__.get("forward")
@@ -167,7 +173,7 @@ def _reference(c: Candidate, x: torch.Tensor, mode: str):
         own = router.forward
         router.forward = lambda *a, **k: seen.append(own(*a, **k)) or seen[-1]
     try:
-        raw = c.block(x)
+        raw = (call or c.block)(x)
         ref, ref_aux = _split(raw, c.path)
     except MoECompileError:
         raise
@@ -273,6 +279,25 @@ def _refuse_random(c: Candidate, probe, x: torch.Tensor) -> None:
             "router_jitter_noise of the config)")
 
 
+def _with_token_ids(c: Candidate, mode: str, gen: torch.Generator, device: torch.device):
+    """For a hash-routed block: the block called on a probe batch with random token ids (those of the rows
+    :func:`_probe_router` fills), through the argument its forward takes them in; None for other blocks."""
+    table = c.router_extras.get("hash_table_attr")
+    if not table:
+        return None
+    where = f"{c.path}.{c.router_attr}"
+    if mode != "components":
+        raise UnsupportedFeatureError(f"{where}: a hash router (routing by token id) in a block whose forward the "
+                                      "compiler replaces (its router must be called by the block with the token ids)")
+    arg = next((p.name for p in inspect.signature(c.block.forward).parameters.values() if "ids" in p.name), None)
+    if arg is None:
+        raise UnsupportedFeatureError(f"{where}: a hash router (routing by token id) in a block whose forward takes no "
+                                      "token ids to pass it")
+    vocab = min(_bias(getattr(c.block, c.router_attr), table).shape[0], PROBE_VOCAB)
+    ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=gen).to(device)
+    return lambda inp: c.block(inp, **{arg: ids})
+
+
 def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
     """Fix the routing semantics (and which reading of the experts applies) of a candidate by the
     probe, or from attributes alone on meta; the candidate keeps the expert reading that matched.
@@ -336,16 +361,17 @@ def settle(c: Candidate, cache: dict | None = None) -> MoEBlockSpec:
                 "only the hidden states (an MoE block taking a mask or other inputs is not supported)")
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(1, PROBE_TOKENS, c.experts.d_model, generator=gen).to(w_in.device, w_in.dtype)
+    call = _with_token_ids(c, mode, gen, x.device)
     with torch.no_grad(), _probe_router(c, gen), _probe_experts(c, gen, cache):
         if mode == "components" and _router_returns_logits_only(c, x):
             # (DBRX) top-k is in the block's forward: the canonical forward replaces it and calls the router
             mode, calls_router = "block", True
         try:
-            ref, ref_aux, outputs, ref_second = _reference(c, x, mode)
+            ref, ref_aux, outputs, ref_second = _reference(c, x, mode, call)
             returns_logits = ref_second is not None  # the canonical block returns its router logits there
-            probe = block
+            probe = call or block
         except RecognitionError as own_fails:
-            if mode != "components" or isinstance(own_fails, UnsupportedFeatureError):
+            if mode != "components" or call is not None or isinstance(own_fails, UnsupportedFeatureError):
                 raise
             try:  # a decoder layer holding router and experts: probe the pair
                 (ref, outputs), ref_aux, returns_logits, ref_second = _pair(c, x[0]), None, False, None

@@ -25,7 +25,6 @@ from .structure import (
     LB_ATTRS,
     RENORM_ATTRS,
     SCALING_ATTRS,
-    SCORE_ATTRS,
     SHARED_GATE_NAMES,
     SHARED_NAMES,
     TOPK_ATTRS,
@@ -33,12 +32,13 @@ from .structure import (
     ffn_shape,
     first_attr,
     group_routing,
+    hash_table,
     identity_experts,
     null_experts,
-    router_inputs,
     router_logit_bias,
     router_network,
     router_of,
+    score_function,
     unsupported_router_features,
 )
 
@@ -103,7 +103,7 @@ def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str 
     n -= null
     zero_null = zero + null
     unsupported_router_features(block, router, where)
-    router_inputs(router, f"{where}.{router_attr}")
+    table = hash_table(router, n + zero + null, f"{where}.{router_attr}")  # hash routing (DeepSeek-V4)
     fused = _fused(where, ex, n, d, experts_attr, zero)
     found = (_module_list(where, ex, n, d, experts_attr) or _stacked(where, ex, block, n, d, experts_attr)
              or _flat_stacked(where, ex, n, d, experts_attr) if fused is None else fused)
@@ -126,9 +126,10 @@ def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str 
     router_kind = "linear" if plain_linear else "hf"
     if router_kind == "hf" and not k_in_config and not any(isinstance(getattr(m, "top_k", None), int) for m in mods):
         raise RecognitionError(f"{where}.{router_attr}: a non-Linear router (or its block) must expose top_k")
-    _, sf = first_attr(mods, SCORE_ATTRS)
-    if sf is not None and sf not in ("softmax", "sigmoid"):
-        raise UnsupportedFeatureError(f"{where}: router score function {sf!r} is not supported (softmax, sigmoid)")
+    sf = score_function(mods, where)
+    if table is not None and getattr(router, table).shape[1] != k:
+        raise UnsupportedFeatureError(f"{where}.{router_attr}.{table}: hash-routing table of shape "
+                                      f"{tuple(getattr(router, table).shape)}, not [vocab, top_k={k}]")
     if scored and sf not in (None, "sigmoid"):
         raise UnsupportedFeatureError(f"{where}: a {sf} router that also scores the shared experts is not supported "
                                       "(sigmoid scores only)")
@@ -179,7 +180,8 @@ def read_block(path: str, block: nn.Module, experts_attr: str, router_attr: str 
         logit_bias_attr=None if network else router_logit_bias(router, weight_attr, n + zero_null, f"{where}.{router_attr}"),
         router_extras={**(router_extras(router, n + zero_null, d) if weight_attr != "weight" and not network else {}),
                        **scored, **({"identity_experts": zero} if zero else {}), **({"null_experts": null} if null else {}),
-                       **({"logits_from_forward": True} if network else {})},
+                       **({"logits_from_forward": True} if network else {}),
+                       **({"hash_table_attr": table} if table else {})},
         scaling=float(scaling) if scaling is not None else 1.0,
         lb_coef=float(lb or 0.0),
         z_coef=float(z or 0.0),

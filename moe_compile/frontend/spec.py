@@ -11,7 +11,7 @@ import torch
 class RouterSpec:
     num_experts: int  # N
     top_k: int  # K
-    score_func: str  # softmax | sigmoid
+    score_func: str  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4)
     renormalize: bool  # top-k weights divided by their sum
     scaling: float = 1.0  # routed scaling factor applied to the weights
     fp32_weights: bool = False  # weights stay fp32 (Mixtral) instead of the logits' dtype
@@ -43,6 +43,8 @@ class RouterSpec:
     #                                    run as dense graph code, gives the logits (and any outputs after its
     #                                    three); moe::router re-derives weights and indices from those logits
     null_experts: int = 0  # Z skip classes scored after the N routed ones (Zaya): a row routed to one adds nothing
+    hash_table_attr: str | None = None  # hash routing (DeepSeek-V4's first layers): the router's [vocab, K] buffer of
+    #                                     expert indices; a token's experts are its row, the scores weight them
     call_router: bool = False  # block mode: the router module returns logits only (DBRX) and the canonical forward
     #                            calls it, so hooks on it (transformers' router-logit recorders) see them
 
@@ -168,6 +170,8 @@ class MoEBlockSpec:
             parts.append(f"{r.identity_experts} identity (zero-computation) experts")
         if r.null_experts:
             parts.append(f"{r.null_experts} skip (null) experts")
+        if r.hash_table_attr:
+            parts.append(f"hash routing by token id ({r.hash_table_attr})")
         if r.logits_from_forward:
             parts.append("logits from the router network's own forward")
         if r.scaling != 1.0:

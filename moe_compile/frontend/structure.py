@@ -102,12 +102,18 @@ def fused_activations(ex: nn.Module, where: str) -> list[Activation]:
     if isinstance(act, nn.Module) and all(isinstance(c, int | float) for c in caps):
         return [("softcap_swiglu", (("gate_cap", float(caps[0])), ("up_cap", float(caps[1]))))]
     _, limit = first_attr((ex,), LIMIT_ATTRS)
+    _, alpha = first_attr((ex,), ALPHA_ATTRS)
     if act is None and isinstance(limit, int | float):
-        _, alpha = first_attr((ex,), ALPHA_ATTRS)
         offsets = (1.0, 0.0) if alpha is not None else (0.0, 1.0)
         alpha = float(alpha) if isinstance(alpha, int | float) else 1.0
         return [("clamped_swiglu", (("alpha", alpha), ("limit", float(limit)), ("up_offset", o))) for o in offsets]
-    return [(find_activation((ex,), where), ())]
+    name = find_activation((ex,), where)
+    if name == "silu" and isinstance(limit, int | float) and alpha is None:
+        # a SiLU act_fn beside a SwiGLU limit (DeepSeek-V4): silu(min(g, limit))·clamp(u, ±limit), the clamped
+        # form with α = 1 and no offset. (The probe's pre-activations stay far below a limit, so it cannot tell a
+        # clamp from none: the attribute is taken at its word, as gpt-oss's is.)
+        return [("clamped_swiglu", (("alpha", 1.0), ("limit", float(limit)), ("up_offset", 0.0)))]
+    return [(name, ())]
 
 
 @dataclass
@@ -218,17 +224,58 @@ def router_logit_bias(router: nn.Module, weight_attr: str, n: int, path: str) ->
     return attr
 
 
-def router_inputs(router: nn.Module, path: str) -> None:
-    """A router must route from the hidden states alone (plus, at most, a score-correction bias the block
-    passes in); one that reads token ids (hash routing) is refused."""
+def score_function(mods: tuple[nn.Module, ...], path: str) -> str | None:
+    """The router's score function: a name attribute (``scoring_func="sigmoid"``), or a module or function
+    attribute (DeepSeek-V4's ``score_fn = ACT2FN["sqrtsoftplus"]``) told by its values on a few logits;
+    None if neither is set (the probe tries softmax and sigmoid)."""
+    from ..ops.routing import SCORE_FUNCS, route_scores
+
+    name, sf = first_attr(mods, SCORE_ATTRS)
+    if sf is None:  # (first_attr skips modules)
+        name, sf = next(((n, getattr(m, n)) for m in mods for n in SCORE_ATTRS + ("score_fn", "scoring_fn")
+                         if callable(getattr(m, n, None))), (None, None))
+    if sf is None or isinstance(sf, str):
+        if sf is not None and sf not in SCORE_FUNCS:
+            raise UnsupportedFeatureError(f"{path}: router score function {sf!r} is not supported ({', '.join(SCORE_FUNCS)})")
+        return sf
+    logits = torch.linspace(-6.0, 6.0, 13).reshape(1, 13)
+    try:
+        with torch.no_grad():
+            got = sf(logits)
+    except Exception:  # noqa: BLE001 - not a function of the logits alone: named below
+        got = None
+    for known in SCORE_FUNCS:
+        if isinstance(got, torch.Tensor) and got.shape == logits.shape and torch.allclose(got, route_scores(logits, known)):
+            return known
+    raise UnsupportedFeatureError(f"{path}: router score function {name} = {type(sf).__name__} computes none of the "
+                                  f"supported ones ({', '.join(SCORE_FUNCS)})")
+
+
+def hash_table(router: nn.Module, n: int, path: str) -> str | None:
+    """The token-id → experts table of a hash router, or None for a router that routes from the hidden
+    states alone (plus, at most, a score-correction bias the block passes in). A hash router (DeepSeek-V4's
+    first layers) takes the token ids in its forward and holds an integer buffer [vocab, K] of expert
+    indices: each token's experts are its row, the router's scores still weight them. A router that takes
+    token ids without such a table is refused."""
     if isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward:
-        return
+        return None
     params = list(inspect.signature(router.forward).parameters.values())
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any("ids" in n for n in names):
+    if not any("ids" in name for name in names):
+        return None
+    tables = [(a, b) for a, b in router.named_buffers(recurse=False)
+              if b.dim() == 2 and not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
+    if len(tables) != 1:
         raise UnsupportedFeatureError(
-            f"{path}: the router's forward takes {names}: routing by token ids (hash routing) is not supported"
-        )
+            f"{path}: the router's forward takes {names} (routing by token ids) but holds "
+            f"{'no' if not tables else len(tables)} integer [vocab, K] buffers {[a for a, _ in tables]}, not one "
+            "token-id → expert table: this hash routing is not supported")
+    attr, table = tables[0]
+    if not table.is_meta and table.numel() and not (0 <= int(table.min()) and int(table.max()) < n):
+        raise UnsupportedFeatureError(
+            f"{path}.{attr}: hash-routing table holds expert indices {int(table.min())}..{int(table.max())}, "
+            f"outside the router's {n} experts")
+    return attr
 
 
 GROUP_ATTRS = ("num_group", "n_group", "num_expert_group")

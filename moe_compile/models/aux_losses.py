@@ -3,13 +3,16 @@
     load balancing (Switch):  lb = N · Σ_e f_e · P_e,  f_e = rows routed to e / (T·K),  P_e = mean_t p[t, e]
     router z-loss (ST-MoE):   z  = mean_t logsumexp(logits_t)²
 
-p is the softmax of the logits, or the row-normalised sigmoid scores for sigmoid routers.
+p is the softmax of the logits, or the row-normalised scores for the other score functions (sigmoid,
+sqrt-softplus).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..ops.routing import route_scores
 
 
 def router_aux_loss(
@@ -22,7 +25,7 @@ def router_aux_loss(
         if score_func == "softmax":
             p = torch.softmax(lf, dim=-1)
         else:
-            s = torch.sigmoid(lf)
+            s = route_scores(lf, score_func)
             p = s / s.sum(dim=-1, keepdim=True)
         f = F.one_hot(idx.reshape(-1), n).sum(0).float() / idx.numel()
         total = total + lb_coef * n * (f * p.mean(0)).sum()

@@ -200,4 +200,25 @@ def tiny_family_model(model_type: str, seed: int = 0, **kw) -> nn.Module:
 
     cfg = tiny_family_config(model_type, **kw)
     torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(cfg).float()
+    model = tf.AutoModelForCausalLM.from_config(cfg).float()
+    random_hash_tables(model, seed)
+    return model
+
+
+def random_hash_tables(model: nn.Module, seed: int = 0) -> None:
+    """Give each hash router (DeepSeek-V4's first layers: a router whose forward takes token ids, with a
+    [vocab, K] integer table beside its [N, d] weight) K distinct random experts per token, as a
+    checkpoint's table holds; transformers initialises the table to zeros (its values come from the
+    checkpoint), which would send every token to expert 0 K times."""
+    import inspect
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        tables = [b for b in m.buffers(recurse=False) if b.dim() == 2 and b.dtype in (torch.int32, torch.int64)]
+        if (isinstance(w, torch.Tensor) and w.dim() == 2 and len(tables) == 1
+                and any("ids" in p for p in inspect.signature(m.forward).parameters)):
+            with torch.no_grad():
+                tables[0].copy_(torch.rand(tables[0].shape[0], w.shape[0], generator=g).argsort(-1)[:, : tables[0].shape[1]])

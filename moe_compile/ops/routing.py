@@ -1,10 +1,11 @@
 """moe::router — scores, top-k selection and route weights of one MoE block.
 
-    scores  = softmax(logits) | sigmoid(logits)            (in fp32)
+    scores  = softmax(logits) | sigmoid(logits) | sqrt(softplus(logits))   (in fp32; the last DeepSeek-V4's)
     select  = scores + bias | logits + bias                (bias: selection only; added to the scores
                                                             (DeepSeek-V3) or to the logits (Kolibri))
     groups  = topk over n_group groups of select, scored by their top-2 sum | max   (n_group > 1)
-    idx     = topk(select outside the chosen groups = −inf, K)
+    idx     = topk(select outside the chosen groups = −inf, K), or the given ``hash_idx`` (hash routing:
+              the experts come from a token-id table, DeepSeek-V4's first layers; the scores still weight them)
     weights = scores[idx] (/ Σ_k scores[idx] if renormalize) · scaling
 
 The router's linear projection stays an ordinary dense op; this op is what passes see as the router.
@@ -19,7 +20,7 @@ import torch
 def _route_weights(
     logits: torch.Tensor, idx: torch.Tensor, score_func: str, renormalize: bool, scaling: float
 ) -> torch.Tensor:
-    scores = _scores(logits, score_func)
+    scores = route_scores(logits, score_func)
     w = scores.gather(-1, idx)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
@@ -28,12 +29,17 @@ def _route_weights(
     return w
 
 
-def _scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     if score_func == "softmax":
         return torch.softmax(logits.float(), dim=-1)
     if score_func == "sigmoid":
         return torch.sigmoid(logits.float())
-    raise ValueError(f"unknown router score function {score_func!r}; supported: softmax, sigmoid")
+    if score_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits.float()).sqrt()
+    raise ValueError(f"unknown router score function {score_func!r}; supported: {', '.join(SCORE_FUNCS)}")
+
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 def group_mask(select: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
@@ -64,10 +70,15 @@ def router(
     topk_group: int = 1,
     group_score: str = "top2_sum",
     bias_on: str = "scores",
+    hash_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _scores(logits, score_func)
     if bias_on not in ("scores", "logits"):
         raise ValueError(f"unknown bias_on {bias_on!r}; supported: scores, logits")
+    if hash_idx is not None:  # (a new tensor: a custom op's outputs may not alias its inputs)
+        idx = hash_idx.to(torch.int64, copy=True)
+        w = _route_weights(logits, idx, score_func, renormalize, scaling)
+        return (w if fp32_weights else w.to(logits.dtype)), idx
+    scores = route_scores(logits, score_func)
     select = scores if bias is None else (logits.float() if bias_on == "logits" else scores) + bias.float()
     if n_group > 1:
         select = group_mask(select, n_group, topk_group, group_score)
@@ -78,7 +89,7 @@ def router(
 
 @router.register_fake
 def _(logits, bias, top_k, score_func, renormalize, scaling, fp32_weights, block, n_group=1, topk_group=1,
-      group_score="top2_sum", bias_on="scores"):
+      group_score="top2_sum", bias_on="scores", hash_idx=None):
     t = logits.shape[0]
     wd = torch.float32 if fp32_weights else logits.dtype
     return logits.new_empty(t, top_k, dtype=wd), logits.new_empty(t, top_k, dtype=torch.int64)
@@ -96,7 +107,7 @@ def router_backward(
 ) -> torch.Tensor:
     # The chain of eager autograd, written out (custom-op kernels run below autograd):
     # cast → scale → renormalise → gather → score function.
-    scores = _scores(logits, score_func)
+    scores = route_scores(logits, score_func)
     g = grad_weights.float()
     if scaling != 1.0:
         g = g * scaling
@@ -107,6 +118,8 @@ def router_backward(
     g_scores = torch.zeros_like(scores).scatter_add_(-1, idx, g)
     if score_func == "softmax":
         g_logits = torch._softmax_backward_data(g_scores, scores, -1, torch.float32)
+    elif score_func == "sqrtsoftplus":  # sqrt's backward, then softplus's (beta 1, threshold 20)
+        g_logits = torch.ops.aten.softplus_backward(g_scores / (2 * scores), logits.float(), 1.0, 20.0)
     else:
         g_logits = torch.ops.aten.sigmoid_backward(g_scores, scores)
     return g_logits.to(logits.dtype)
@@ -127,7 +140,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_w, _grad_idx):
     logits, idx = ctx.saved_tensors
     g = torch.ops.moe.router_backward(grad_w, logits, idx, *ctx.cfg)
-    return (g,) + (None,) * 11
+    return (g,) + (None,) * 12
 
 
 router.register_autograd(_backward, setup_context=_setup)
