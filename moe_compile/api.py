@@ -214,7 +214,7 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         layers = [i for i, t in enumerate(kinds) if t in other]
         raise UnsupportedFeatureError(
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
-            "under context parallelism: only attention (full, sliding, chunked, DSA-indexed) and linear attention "
+            "under context parallelism: only attention (full, sliding, chunked, DSA- or QSA-indexed) and linear attention "
             f"whose mixer is a child {'/'.join(MIXER_NAMES)} run across the shards, these would mix tokens "
             "within one rank's shard only; use cp=1")
     if other_conv is not None:

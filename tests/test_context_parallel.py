@@ -518,11 +518,18 @@ def indexed_worker(rank: int, world: int) -> dict:
     out = _padded_cases(world, 11, (("deepseek_v32", "deepseek_v32", False), ("deepseek_v32_padded", "deepseek_v32", True),
                                     ("hy_v4", "hy_v4", False), ("dots3_note_text_wide", "dots3_note_text", False)))
     out.update(_padded_cases(world, 11, (("dots3_note_text", "dots3_note_text", False),), sliding_window=4))
+    qsa = {"layer_types": ["indexed_attention"] * 2}  # (its delta-rule layers: within fp32's error of the CP sums)
+    out.update(_padded_cases(world, 11, (("qwen4_exp", "qwen4_exp_text", False),
+                                         ("qwen4_exp_padded", "qwen4_exp_text", True)), **qsa))
     b = make_batches(1, 2, 32, seed=11)[0]
     for topk in (4, 32):
         m = tiny_family_model("deepseek_v32", seed=0, index_topk=topk)
         x = b % m.config.vocab_size
         out[f"dense_{topk}"] = m(input_ids=x, labels=x, use_cache=False).loss.item()
+    for budget in (8, 32):
+        m = tiny_family_model("qwen4_exp_text", seed=0, indexer_budget=budget, **qsa)
+        x = b % m.config.vocab_size
+        out[f"qsa_dense_{budget}"] = m(input_ids=x, labels=x, use_cache=False).loss.item()
     return out
 
 
@@ -636,9 +643,12 @@ def test_cp2_indexed_attention():
     the whole sequence's keys and mask in sequence order (models/hf_indexed.py), so the indexer picks over
     all 32 keys as on one device; loss and every gradient as the dense model's, with padding, a layer that
     reuses the picks and a sliding layer beside. HY-V4's attention has sinks too, which run as the sink
-    implementation (models/hf_sinks.py): transformers hands it the picks as `indices`, which it dropped."""
+    implementation (models/hf_sinks.py): transformers hands it the picks as `indices`, which it dropped.
+    Qwen4-Exp's QSA indexer (2 blocks of 4 keys per query, plus its incomplete tail), plain and
+    left-padded: its static form (models/hf_qsa.py) pools the whole sequence's keys at their positions."""
     for out in run_ranks(indexed_worker, 2):
         assert abs(out.pop("dense_4") - out.pop("dense_32")) > 1e-3, out  # the picks change the loss
+        assert abs(out.pop("qsa_dense_8") - out.pop("qsa_dense_32")) > 1e-3, out  # Qwen4-Exp's QSA picks too
         for case, (got, want, err) in out.items():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 

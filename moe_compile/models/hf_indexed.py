@@ -30,11 +30,17 @@ from ..errors import UnsupportedFeatureError
 def indexed_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The attention modules of the DSA form: an ``indexer`` attribute and a forward that takes ``cache``,
     the indexer a module with ``index_topk``, or None on a layer that reuses the previous layer's picks
-    (its forward takes ``prev_topk_indices``; None without is plain attention: Dots3-Note's sliding layers)."""
+    (its forward takes ``prev_topk_indices``; None without is plain attention: Dots3-Note's sliding layers);
+    and those of the QSA form (Qwen4-Exp: its indexer pools blocks of keys, models/hf_qsa.py), whose cache
+    hooks ``update`` (keys, values) and ``update_indexer`` are those of the DSA form."""
+    from .hf_qsa import QSA_ATTRS
+
     def dsa(m: nn.Module) -> bool:
         if not hasattr(m, "indexer"):
             return False
         params = inspect.signature(m.forward).parameters
+        if m.indexer is not None and all(hasattr(m.indexer, a) for a in QSA_ATTRS):
+            return "cache" in params
         return "cache" in params and (hasattr(m.indexer, "index_topk") if m.indexer is not None
                                       else "prev_topk_indices" in params)
 
@@ -87,5 +93,7 @@ def use_indexed_attention(model: nn.Module, cp: int) -> list[str]:
         if getattr(m, "_moe_cp_whole", None) is None:
             m.register_forward_pre_hook(_whole_sequence, with_kwargs=True)
         m._moe_cp_whole = (cp, path)
+        if m.indexer is not None and hasattr(m.indexer, "block_topk"):  # QSA: rotates pooled keys at their positions
+            m.indexer._moe_cp_positions = cp
         paths.append(path)
     return paths

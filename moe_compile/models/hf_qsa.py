@@ -63,9 +63,13 @@ def _select(self: nn.Module, hidden_states: torch.Tensor, position_embeddings, a
     b, s, _ = hidden_states.shape
     d, cr, topk = self.index_head_dim, self.compress_ratio, self.block_topk
     full_cos, full_sin = position_embeddings
+    cp = getattr(self, "_moe_cp_positions", 1)
+    q_cos, q_sin = full_cos[:, -s:], full_sin[:, -s:]
+    if cp > 1 and torch.compiler.is_compiling():  # the keys are the whole sequence's (hf_indexed.py): so their positions
+        full_cos, full_sin = (torch.ops.moe_cp.whole_sequence(t, 1, cp) for t in (full_cos, full_sin))
     q, token_k = torch.split(self.index_qk_proj(hidden_states),
                              [self.index_n_heads * d, self.index_kv_heads * d], dim=-1)
-    q = rope(self.q_layernorm(q.reshape(b, s, -1, d)), cos=full_cos[:, -s:], sin=full_sin[:, -s:], unsqueeze_dim=2)
+    q = rope(self.q_layernorm(q.reshape(b, s, -1, d)), cos=q_cos, sin=q_sin, unsqueeze_dim=2)
     keys = token_k.reshape(b, s, -1, d).squeeze(2)  # [B, KL, D] (one indexer key head)
     if cache is not None:
         keys = cache.update_indexer(keys, self.layer_idx)
