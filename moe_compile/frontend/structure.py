@@ -251,6 +251,19 @@ def score_function(mods: tuple[nn.Module, ...], path: str) -> str | None:
                                   f"supported ones ({', '.join(SCORE_FUNCS)})")
 
 
+def integer_tables(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's own 2-D integer buffers (a hash router's [vocab, K] token-id → expert table)."""
+    return [(a, b) for a, b in mod.named_buffers(recurse=False)
+            if b.dim() == 2 and not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
+
+
+def token_id_inputs(mod: nn.Module) -> list[str]:
+    """The positional inputs of a module's forward, if one of them is token ids (its name holds "ids")."""
+    params = list(inspect.signature(mod.forward).parameters.values())
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names if any("ids" in name for name in names) else []
+
+
 def hash_table(router: nn.Module, n: int, path: str) -> str | None:
     """The token-id → experts table of a hash router, or None for a router that routes from the hidden
     states alone (plus, at most, a score-correction bias the block passes in). A hash router (DeepSeek-V4's
@@ -259,12 +272,10 @@ def hash_table(router: nn.Module, n: int, path: str) -> str | None:
     token ids without such a table is refused."""
     if isinstance(router, nn.Linear) and type(router).forward is nn.Linear.forward:
         return None
-    params = list(inspect.signature(router.forward).parameters.values())
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not any("ids" in name for name in names):
+    names = token_id_inputs(router)
+    if not names:
         return None
-    tables = [(a, b) for a, b in router.named_buffers(recurse=False)
-              if b.dim() == 2 and not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
+    tables = integer_tables(router)
     if len(tables) != 1:
         raise UnsupportedFeatureError(
             f"{path}: the router's forward takes {names} (routing by token ids) but holds "

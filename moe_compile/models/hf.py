@@ -210,15 +210,14 @@ def random_hash_tables(model: nn.Module, seed: int = 0) -> None:
     [vocab, K] integer table beside its [N, d] weight) K distinct random experts per token, as a
     checkpoint's table holds; transformers initialises the table to zeros (its values come from the
     checkpoint), which would send every token to expert 0 K times."""
-    import inspect
-
     import torch
+
+    from ..frontend.structure import integer_tables, token_id_inputs
 
     g = torch.Generator().manual_seed(seed)
     for m in model.modules():
-        w = getattr(m, "weight", None)
-        tables = [b for b in m.buffers(recurse=False) if b.dim() == 2 and b.dtype in (torch.int32, torch.int64)]
-        if (isinstance(w, torch.Tensor) and w.dim() == 2 and len(tables) == 1
-                and any("ids" in p for p in inspect.signature(m.forward).parameters)):
+        w, tables = getattr(m, "weight", None), integer_tables(m)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and len(tables) == 1 and token_id_inputs(m):
+            table = tables[0][1]
             with torch.no_grad():
-                tables[0].copy_(torch.rand(tables[0].shape[0], w.shape[0], generator=g).argsort(-1)[:, : tables[0].shape[1]])
+                table.copy_(torch.rand(table.shape[0], w.shape[0], generator=g).argsort(-1)[:, : table.shape[1]])
