@@ -5,12 +5,20 @@ from __future__ import annotations
 import copy
 import types
 
+import pytest
 import torch
 import torch.nn as nn
 
 from moe_compile.models import TinyMoEConfig, TinyMoELM, tiny_hf_model
 
 VOCAB = 256
+
+
+def core_and_rest(core, rest) -> list:
+    """Two pytest params of one test's cases: ``core`` runs in the README's test command (CI), ``rest`` is
+    marked slow and runs in the full suite (``pytest tests``) only. The core cases keep every feature the test
+    names in CI; the rest repeat it on more families or combinations, which is most of a multi-rank test's time."""
+    return [pytest.param(core, id="core"), pytest.param(rest, id="rest", marks=pytest.mark.slow)]
 
 
 def build_model(name: str, seed: int = 0, **kw) -> nn.Module:

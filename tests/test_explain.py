@@ -118,6 +118,7 @@ def _cp2_real_ledger(rank: int, world: int, seq: int) -> dict:
     return {k: led[k] for k in ("M_saved", "F_fwd_token")}
 
 
+@pytest.mark.slow
 def test_explain_saved_activations_at_cp2_match_a_real_step(tmp_path):
     """With cp > 1 explain traced SDPA's math path (the context-parallel pass only rewrote SDPA calls), so
     its M_saved counted [B, H, S/cp, S] attention probabilities: 1.40× a real cp=2 step's here. The pass
@@ -217,6 +218,7 @@ def test_explain_lightning_attention_memory_shrinks_with_cp(tmp_path):
     assert abs(predicted - four["saved_bytes"]) <= 0.05 * four["saved_bytes"], (predicted, four["saved_bytes"])
 
 
+@pytest.mark.slow
 def test_explain_state_passing_linear_attention_memory_shrinks_with_cp(tmp_path):
     """Kimi-Linear's delta-rule layers pass states between the CP ranks' chunks (models/hf_state_passing.py):
     none runs whole, and at S=512 the saved activations at cp=4 are about half those at cp=2 (1.04 GB →

@@ -4,8 +4,8 @@ and the feature. A crash (any other exception) or a wrong result fails.
 
 The family list comes from transformers' registries (moe_compile.families.moe_families), not a hand
 list; each family's tiny random config is derived from its config class's own fields. The one-rank
-sweep runs every family, in four shards of one spawned rank each (a process, so dynamo state stays out
-of the test process); the ep_mp=2 sweep (slow) runs the core families and a daily rotation on two ranks.
+sweep runs in spawned one-rank processes (so dynamo state stays out of the test process): a representative
+set in the README's test command, every family in the full suite; the ep_mp=2 sweep (slow) runs the core families and a daily rotation on two ranks.
 
 Families whose tiny config transformers cannot build or run densely are listed in NOT_CHECKABLE with
 the reason: they are strict xfails, so a family that starts working (or a new reason) shows up. (The
@@ -28,6 +28,7 @@ from moe_compile.errors import RecognitionError
 from moe_compile.families import FamilyResult, check_family, moe_families, sweep_worker
 from moe_compile.models import MoELMOutput
 
+from .common import core_and_rest
 from .harness import run_ranks
 
 FAMILIES = moe_families()
@@ -82,16 +83,29 @@ def test_cp_split_reference_sums_to_the_dense_gradient():
         assert max(_rel(got[n], want[n]) for n in want) < 1e-5, cp
 
 
-SHARDS = 4  # the sweep of all 61 families takes 4–8 min on 2 cores: shards let xdist workers share it
+# The README's test command (CI) sweeps these on one rank: each stands for a form the front end reads (router
+# kinds and scores, shared and zero experts, hash and group-limited routing, clamped SwiGLU, MLA, chunked
+# attention, Mamba-2, delta rules, hyper-connections, the QSA indexer) or a refusal. The forms of GPT-OSS,
+# Gemma 4, Jamba, LFM2-MoE, Kimi-Linear, MiniMax and DeepSeek-V3.2 are checked against the dense model at cp=2 in
+# the same command (test_context_parallel.py). The full suite (`pytest tests`) sweeps every other family (slow).
+REPRESENTATIVE = ("olmoe", "mixtral", "qwen2_moe", "granitemoe", "deepseek_v3", "deepseek_v4", "llama4_text", "dbrx",
+                  "nemotron_h", "qwen3_next", "longcat_flash", "hy_v4", "qwen4_exp_text", "phimoe", "doge", "jetmoe")
+OTHERS = [f for f in FAMILIES if f not in REPRESENTATIVE]
+# shards let the xdist workers share a sweep (each family takes 8–17 s on 2 cores)
+SWEEPS = [pytest.param(list(REPRESENTATIVE[i::2]), id=f"core{i}") for i in range(2)] + [
+    pytest.param(OTHERS[i::3], id=f"rest{i}", marks=pytest.mark.slow) for i in range(3)]
+
+
+def test_representative_families_are_registered():
+    assert set(REPRESENTATIVE) <= set(FAMILIES), sorted(set(REPRESENTATIVE) - set(FAMILIES))
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("shard", range(SHARDS))
-def test_one_rank_every_family(shard):
-    """Every family, in SHARDS sweeps (each in one spawned process, so dynamo state stays out of the
-    test process): parity or a clear error; the families that cannot be checked still crash (strict:
-    one that starts working must leave NOT_CHECKABLE)."""
-    families = FAMILIES[shard::SHARDS]
+@pytest.mark.parametrize("families", SWEEPS)
+def test_one_rank_every_family(families):
+    """Every family, in sweeps of one spawned process each (so dynamo state stays out of the test process):
+    parity or a clear error; the families that cannot be checked still crash (strict: one that starts working
+    must leave NOT_CHECKABLE)."""
     one_rank = {r.family: r for r in run_ranks(sweep_worker, 1, families, "ep_mp=1", timeout=850)[0]}
     bad = []
     for family in families:
@@ -282,15 +296,16 @@ def test_fp32_parity_rule_allows_rounding_noise_and_catches_errors():
 # recompute modes on families whose forms a mode's tagging must get right: a gated-delta-rule mixer
 # beside attention (qwen3_next), attention sinks and expert biases (gpt_oss), weights on the expert
 # input (llama4_text). Every family passed each mode in a manual sweep (`--activation-checkpointing`).
-RECOMPUTE_FAMILIES = ("qwen3_next", "gpt_oss", "llama4_text")
+RECOMPUTE_FAMILIES = core_and_rest(("qwen3_next",), ("gpt_oss", "llama4_text"))
 
 
-def test_families_with_recompute_match_the_dense_model():
+@pytest.mark.parametrize("families", RECOMPUTE_FAMILIES)
+def test_families_with_recompute_match_the_dense_model(families):
     """The sweep's compile options reach moe_compile: "full" recompute on three families matches the dense
     model, and a bad mode is the family's error naming the option."""
-    results = run_ranks(sweep_worker, 1, list(RECOMPUTE_FAMILIES), "ep_mp=1", False, None,
+    results = run_ranks(sweep_worker, 1, list(families), "ep_mp=1", False, None,
                         {"activation_checkpointing": "full"}, timeout=500)[0]
-    assert [r.family for r in results] == list(RECOMPUTE_FAMILIES)
+    assert [r.family for r in results] == list(families)
     for r in results:
         assert r.status == "compiled", f"{r.family}: {r.status}: {r.message}"
     bad = check_family("olmoe", options={"activation_checkpointing": "layers"})

@@ -19,7 +19,7 @@ from moe_compile import MeshSpec, moe_compile
 from moe_compile.errors import IRError, MeshError, OptionError, RuntimeFault
 from moe_compile.passes.split_stages import outside_phases, plan_split
 
-from .common import build_model, cli_train, grads_of, make_batches, metric_rows, rel_err
+from .common import build_model, cli_train, core_and_rest, grads_of, make_batches, metric_rows, rel_err
 from .harness import run_ranks
 
 TOL = 1e-5
@@ -122,19 +122,22 @@ def check(results: list[list[dict]], in_flight: dict[str, dict] | None = None, t
 IN_FLIGHT = {"gpipe": {0: 2, 1: 2}, "1f1b": {0: 2, 1: 1}, "interleaved_1f1b": {0: 4, 1: 3, 2: 2, 3: 1}}
 
 
-def test_pipeline_ep_schedules_four_ranks():
+EP_SCHEDULE_CASES = {
+    "core": [{"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
+             {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "interleaved_1f1b", "m": 4, "layers": 4}],
+    "rest": [{"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "gpipe", "m": 2},
+             {"model": "olmoe_aux", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
+             {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 2, "layers": 3,
+              "model_kw": {"dense_layers": (0,)}, "options": {"pp_split": ["layers.1"]}}],
+}
+
+
+@pytest.mark.parametrize("part", core_and_rest("core", "rest"))
+def test_pipeline_ep_schedules_four_ranks(part):
     """pp=2 × ep_mp=2: GPipe, 1F1B, Interleaved1F1B on the tiny LM, 1F1B on OLMoE (with its load-balancing
     loss: the router logits of stage 0 travel to the last stage across the boundary), and a first stage
     that holds only a dense layer."""
-    cases = [
-        {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "gpipe", "m": 2},
-        {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
-        {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "interleaved_1f1b", "m": 4, "layers": 4},
-        {"model": "olmoe_aux", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 4},
-        {"model": "tiny", "mesh": "pp=2,ep_mp=2", "schedule": "1f1b", "m": 2, "layers": 3,
-         "model_kw": {"dense_layers": (0,)}, "options": {"pp_split": ["layers.1"]}},
-    ]
-    check(run_ranks(pipeline_worker, 4, cases), IN_FLIGHT)
+    check(run_ranks(pipeline_worker, 4, EP_SCHEDULE_CASES[part]), IN_FLIGHT)
 
 
 def test_pipeline_keeps_nodes_captured_for_their_effect():
@@ -666,15 +669,17 @@ def check_pp_cp(results) -> None:
             assert abs(a - b) <= TOL * abs(b), (rank, r)
 
 
-def test_pipeline_with_context_parallelism():
+@pytest.mark.parametrize("names", core_and_rest(("tiny", "llama4_tuned"), ("olmoe", "family:nemotron_h")))
+def test_pipeline_with_context_parallelism(names):
     """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM, OLMoE and Llama 4
     with attention temperature tuning (a NoPE layer on each stage: the later stage's positions come from
     no graph input) and Nemotron-H (NoPE; its later stage holds an MoE layer and no attention, refused as
     "no SDPA" before); then forward-only evaluation of the same batch: each rank's shard of the dense model's
     logits and its loss."""
-    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", ("tiny", "olmoe", "llama4_tuned", "family:nemotron_h")))
+    check_pp_cp(run_ranks(pp_cp_worker, 4, "pp=2,cp=2", names))
 
 
+@pytest.mark.slow
 def test_load_balancing_losses_under_pipeline_and_context_parallelism():
     """pp=2 × cp=2 with load-balancing losses (refused before): OLMoE's transformers loss
     (output_router_logits) and the tiny LM's in-block lb and z losses, with labels masked unevenly over the
@@ -717,6 +722,7 @@ def test_padded_batch_under_pipeline_and_context_parallelism():
         assert abs(ev - dense_ev) <= TOL * abs(dense_ev), (ev, dense_ev)
 
 
+@pytest.mark.slow
 def test_load_balancing_loss_of_a_batch_without_loss_tokens_under_pipeline_and_context_parallelism():
     """Every label masked: the token loss is NaN (as the dense model's) and the gradients are the load-
     balancing terms' mean over the microbatches. Each CP rank weighted its microbatches 1/m and added the
@@ -810,6 +816,7 @@ def dense_stage_ledger_worker(rank: int, world: int) -> int | None:
     return t
 
 
+@pytest.mark.slow
 def test_ledger_after_a_real_pipeline_step(tmp_path):
     """cm.ledger() after a real pp=2 step left T, the FLOPs and every graph figure n/a (the whole program
     captured no graph; its stages did) and told the user to run a step. They now come from the rank's
@@ -878,6 +885,7 @@ def tied_embeddings_worker(rank: int, world: int, mesh: str, root: str, resume: 
     return out
 
 
+@pytest.mark.slow
 def test_tied_embeddings_across_pipeline_stages(tmp_path):
     """Refused before: tied input and output embeddings at pp > 1. Each of the two stages holds the weight,
     its ranks sum their parts of its gradient, and the gradient norm counts it once. pp=2 × dp=2 (interleaved,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from fractions import Fraction
 
+import pytest
+
 from moe_compile import MeshSpec, moe_compile
 from moe_compile.runtime.dropless import find_dropless_state
 
@@ -67,6 +69,7 @@ def test_ep_ranks_with_batches_of_different_shapes_match_the_dense_model():
         assert r["growths"] == 1, r  # none for the graphs compiled before it
 
 
+@pytest.mark.slow
 def test_four_ranks_with_batches_of_three_shapes():
     """ep_mp = 4, batches of 1, 2, 3 and 4 sequences, then another arrangement and one shape."""
     for r in run_ranks(ragged_worker, 4, [(1, 2, 3, 4), (4, 3, 2, 1), (2, 2, 2, 2)], timeout=300):
