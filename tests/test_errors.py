@@ -363,7 +363,8 @@ def test_router_returning_another_tuple_order_compiles():
     cm.close()
 
 
-@pytest.mark.parametrize("name,fusion", [("tiny", "none"), ("olmoe", "none"), ("tiny", "inductor")])
+@pytest.mark.parametrize("name,fusion", [("tiny", "none"), ("olmoe", "none"),
+                                         pytest.param("tiny", "inductor", marks=pytest.mark.slow)])
 def test_out_of_vocabulary_ids_and_labels_are_named_and_the_next_step_is_clean(name, fusion):
     """Without a pipeline an out-of-vocabulary id fails inside the compiled graph (the embedding's IndexError;
     with dense_fusion="inductor" the kernel's C++ exception aborts the process). The forward refuses it

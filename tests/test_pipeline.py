@@ -140,6 +140,7 @@ def test_pipeline_ep_schedules_four_ranks(part):
     check(run_ranks(pipeline_worker, 4, EP_SCHEDULE_CASES[part]), IN_FLIGHT)
 
 
+@pytest.mark.slow
 def test_pipeline_keeps_nodes_captured_for_their_effect():
     """Jamba's Mamba mixer runs associative_scan through torch.func.vmap on CPU: the captured graph opens
     a vmap level and closes it with a node nothing reads. The stage split dropped that node (no stage
@@ -148,6 +149,7 @@ def test_pipeline_keeps_nodes_captured_for_their_effect():
     check(run_ranks(pipeline_worker, 2, [{"model": "family:jamba", "mesh": "pp=2", "schedule": "1f1b", "m": 2}]))
 
 
+@pytest.mark.slow
 def test_pipeline_metadata_inference_runs_on_zeros():
     """torch's PipelineStage infers the boundary metadata by running every stage once on activations it
     materialises from metadata with torch.empty: hy_v4's second stage computes scatter indices from them
