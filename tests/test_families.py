@@ -5,7 +5,8 @@ and the feature. A crash (any other exception) or a wrong result fails.
 The family list comes from transformers' registries (moe_compile.families.moe_families), not a hand
 list; each family's tiny random config is derived from its config class's own fields. The one-rank
 sweep runs in spawned one-rank processes (so dynamo state stays out of the test process): a representative
-set in the README's test command, every family in the full suite; the ep_mp=2 sweep (slow) runs the core families and a daily rotation on two ranks.
+set in the README's test command, every family in the full suite; the ep_mp=2 sweep (slow) runs the core
+families and a daily rotation on two ranks.
 
 Families whose tiny config transformers cannot build or run densely are listed in NOT_CHECKABLE with
 the reason: they are strict xfails, so a family that starts working (or a new reason) shows up. (The
