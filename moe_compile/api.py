@@ -22,6 +22,7 @@ from .frontend.baked_attrs import baked_attrs
 from .frontend.prepare import prepare_for_capture
 from .frontend.structure import expert_codegen
 from .mesh import MeshSpec
+from .models.hf_compressed import COMPRESSED_KINDS, compressed_attention_modules, use_compressed_attention
 from .models.hf_halos import halo_modules, use_halo_modules
 from .models.hf_indexed import indexed_attention_modules, use_indexed_attention
 from .models.hf_mixers import MIXER_NAMES, RECURRENT_KINDS, recurrent_mixers, use_whole_sequence_mixers
@@ -86,7 +87,9 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         _check_context_parallel(model, spec)
         use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
         use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
+        compressed = use_compressed_attention(model, spec.cp)  # DeepSeek-V4: its compressor over the whole sequence
         whole_mixers = use_whole_sequence_mixers(model, spec.cp)  # linear attention over the whole sequence
+        whole_mixers += [f"{p}.compressor" for p in compressed]
         use_halo_modules(model, spec.cp)  # Zaya's convolutional attention: each chunk with its halo
     use_static_qsa(model)  # Qwen4-Exp: its token indexer's per-query loop as one static graph
     groups = spec.build(_device_type(model)) if dist.is_initialized() else None
@@ -207,6 +210,7 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
     # convolutional attention (models/hf_halos.py); no other conv may mix tokens
     admitted = CP_LAYER_KINDS + (CONV_LAYER_KINDS if (convs or haloed) and other_conv is None else ()) \
         + (("indexed_attention",) if indexed_attention_modules(model) else ()) \
+        + (COMPRESSED_KINDS if compressed_attention_modules(model) else ()) \
         + (RECURRENT_KINDS if recurrent_mixers(model) else ())  # models/hf_indexed.py, models/hf_mixers.py
     other = sorted({k for k in kinds if k not in admitted
                     or (k == "chunked_attention" and not getattr(cfg, "attention_chunk_size", None))})
@@ -214,7 +218,8 @@ def _check_context_parallel(model: nn.Module, spec: MeshSpec) -> None:
         layers = [i for i, t in enumerate(kinds) if t in other]
         raise UnsupportedFeatureError(
             f"mesh {spec}: layers of kind {other or ['chunked_attention']} (config.layer_types, layers {layers or 'all'}) "
-            "under context parallelism: only attention (full, sliding, chunked, DSA- or QSA-indexed) and linear attention "
+            "under context parallelism: only attention (full, sliding, chunked, DSA- or QSA-indexed, DeepSeek-V4's "
+            "compressed) and linear attention "
             f"whose mixer is a child {'/'.join(MIXER_NAMES)} run across the shards, these would mix tokens "
             "within one rank's shard only; use cp=1")
     if other_conv is not None:
@@ -242,7 +247,8 @@ def cp_attention_windows(model: nn.Module) -> dict[str, int]:
     types = getattr(cfg, "layer_types", None) or []
     if not types:
         return {"*": int(window)}
-    return {str(i): int(window) for i, t in enumerate(types) if "sliding" in str(t)}
+    # DeepSeek-V4's compressed layers read their uncompressed keys through the same sliding-window mask
+    return {str(i): int(window) for i, t in enumerate(types) if "sliding" in str(t) or t in COMPRESSED_KINDS}
 
 
 def cp_attention_chunks(model: nn.Module) -> dict[str, int]:

@@ -563,6 +563,68 @@ def indexed_worker(rank: int, world: int, part: str) -> dict:
     return out
 
 
+# DeepSeek-V4's tiny config with its compressed layers at work over 32 tokens: layer 0 HCA (windows of 8),
+# layer 1 CSA (windows of 4, each entry also reading the previous window's half; its indexer keeps 2 entries
+# of up to 8 per query), both over a sliding window of 8 keys (the tiny defaults: HCA 128, window 64)
+V4_COMPRESSED = dict(compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                     sliding_window=8, index_topk=2)
+
+
+def compressed_worker(rank: int, world: int, part: str) -> dict:
+    """cp=2: DeepSeek-V4 (V4_COMPRESSED). "core": a plain batch, and the dense losses with each feature taken
+    away (all entries picked, no window, no entry closed); "rest": a left-padded batch, and the compressor
+    run on the shard instead (its inputs not made whole: models/hf_compressed.py's hooks replaced)."""
+    import inspect
+    from unittest import mock
+
+    from moe_compile.models import hf_compressed
+    from moe_compile.models.hf import tiny_family_model
+
+    if part == "core":
+        out = _padded_cases(world, 11, (("deepseek_v4", "deepseek_v4", False),), **V4_COMPRESSED)
+        b = make_batches(1, 2, 32, seed=11)[0]
+        away = {"all_picked": dict(index_topk=32), "no_window": dict(sliding_window=64),
+                "no_entries": dict(compress_rates={k: 64 for k in V4_COMPRESSED["compress_rates"]})}
+        for name, kw in {"dense": {}, **away}.items():
+            m = tiny_family_model("deepseek_v4", seed=0, **{**V4_COMPRESSED, **kw})
+            x = b % m.config.vocab_size
+            out[name] = m(input_ids=x, labels=x, use_cache=False).loss.item()
+        return out
+    out = _padded_cases(world, 11, (("deepseek_v4_padded", "deepseek_v4", True),), **V4_COMPRESSED)
+
+    def on_shard(m, args, kwargs):  # no cache (the attention's is the whole-sequence hooks'), inputs as given
+        bound = inspect.signature(type(m).forward).bind(m, *args, **kwargs)
+        bound.arguments["cache"] = None
+        return bound.args[1:], bound.kwargs
+
+    def own_bias(m, args, kwargs, out):  # the shard's own entries' mask, boolean
+        return out if out[1] is None else (out[0], out[1] == 0)
+
+    with mock.patch.object(hf_compressed, "_before", on_shard), mock.patch.object(hf_compressed, "_after", own_bias):
+        out["on_shard"] = _padded_cases(world, 11, (("on_shard", "deepseek_v4", False),), **V4_COMPRESSED)["on_shard"]
+    return out
+
+
+@pytest.mark.parametrize("part", core_and_rest("core", "rest"))
+def test_cp2_compressed_attention(part):
+    """Refused before: DeepSeek-V4's compressed attention layers (CSA and HCA) under context parallelism, as
+    each module's compressor pools windows of the tokens it is given and its indexer picks among those
+    entries. Under cp > 1 the compressor runs on the whole sequence in sequence order and the attention reads
+    this shard's queries over the whole sequence's sliding keys and every entry (models/hf_compressed.py);
+    loss and every gradient as the dense model's, on a left-padded batch too. With the compressor on the
+    shard the gradients were 485% off."""
+    for out in run_ranks(compressed_worker, 2, part):
+        if part == "core":
+            dense = out.pop("dense")
+            for feature in ("all_picked", "no_window", "no_entries"):  # each changes the loss: the case tests it
+                assert abs(out.pop(feature) - dense) > 1e-3, (feature, dense, out)
+        else:
+            got, want, err = out.pop("on_shard")
+            assert err > 0.5, (got, want, err)  # the compressor on the shard: wrong, so the hooks are what fix it
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
 def linear_worker(rank: int, world: int, cp: int = 2, part: str = "all") -> dict:
     """cp=2 (or 4), 32 tokens: linear-attention layers beside attention layers, passing states between the
     ranks' sequence chunks. Delta rules: Kimi-Linear (Kimi delta attention with short convolutions, MLA

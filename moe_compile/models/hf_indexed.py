@@ -39,6 +39,8 @@ def indexed_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if not hasattr(m, "indexer"):
             return False
         params = inspect.signature(m.forward).parameters
+        if "attention_mask" not in params:  # not attention: DeepSeek-V4's CSA compressor (models/hf_compressed.py)
+            return False
         if m.indexer is not None and all(hasattr(m.indexer, a) for a in QSA_ATTRS):
             return "cache" in params
         return "cache" in params and (hasattr(m.indexer, "index_topk") if m.indexer is not None
@@ -75,6 +77,13 @@ def _whole_sequence(m: nn.Module, args: tuple, kwargs: dict):
     if cache is not None and cache.get_seq_length(getattr(m, "layer_idx", 0)) > 0:
         raise UnsupportedFeatureError(f"{path}: a KV cache holding earlier tokens under context parallelism "
                                       f"(cp={cp}): only whole sequences are sharded; use cp=1 to decode")
+    hidden = bound.arguments.get("hidden_states")
+    if mask is None and getattr(m, "compressor", None) is not None and isinstance(hidden, torch.Tensor):
+        # transformers makes no mask where plain causal attention would do (no padding, a window longer than
+        # the sequence); DeepSeek-V4's compressed layers then skip their entries' mask (models/hf_compressed.py),
+        # so they get one: the CP pass makes the whole sequence's causal mask in whole_mask's place
+        b, shard = hidden.shape[:2]
+        mask = torch.ones((b, 1, shard, shard), dtype=torch.bool, device=hidden.device)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise UnsupportedFeatureError(
             f"{path}: indexed attention under context parallelism (cp={cp}) needs the boolean mask of "
@@ -85,14 +94,21 @@ def _whole_sequence(m: nn.Module, args: tuple, kwargs: dict):
     return bound.args[1:], bound.kwargs
 
 
+def whole_sequence_keys(m: nn.Module, cp: int, path: str) -> None:
+    """While compiled at ``cp`` > 1, attention module ``m`` gets the whole sequence's keys from its cache
+    hooks and its boolean mask for them (module docstring; DeepSeek-V4's compressed layers too:
+    models/hf_compressed.py)."""
+    if getattr(m, "_moe_cp_whole", None) is None:
+        m.register_forward_pre_hook(_whole_sequence, with_kwargs=True)
+    m._moe_cp_whole = (cp, path)
+
+
 def use_indexed_attention(model: nn.Module, cp: int) -> list[str]:
     """Make each DSA attention module of ``model`` see the whole sequence's keys when compiled at ``cp`` > 1
     (module docstring); the module paths it changed."""
     paths = []
     for path, m in indexed_attention_modules(model):
-        if getattr(m, "_moe_cp_whole", None) is None:
-            m.register_forward_pre_hook(_whole_sequence, with_kwargs=True)
-        m._moe_cp_whole = (cp, path)
+        whole_sequence_keys(m, cp, path)
         if m.indexer is not None and hasattr(m.indexer, "block_topk"):  # QSA: rotates pooled keys at their positions
             m.indexer._moe_cp_positions = cp
         paths.append(path)

@@ -27,7 +27,8 @@ sequence before its indexer runs, through two markers this pass fills in, in seq
     moe_cp::whole_sequence(x, dim)  → moe_cp::to_sequence(moe_cp::all_gather(x, dim))
     moe_cp::whole_mask(mask)    → moe_cp::to_sequence(the CP mask, key dim), in the model mask's shape
 
-and its SDPA (whole keys, a mask made from whole_mask) is left as it is. Attention over keys that are
+and its SDPA (whole keys, a mask made from whole_mask) is left as it is; DeepSeek-V4's compressed layers
+(models/hf_compressed.py) run so too, their compressed entries after the whole keys. Attention over keys that are
 neither the shard's nor so made whole is refused. Other linear-attention layers run their mixer on the whole
 sequence (models/hf_mixers.py): whole_sequence on its input, and on its output
 
@@ -157,7 +158,8 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
             masks[(model_made, window, chunk)] = mask
         return masks[(model_made, window, chunk)]
 
-    whole = {n for n in attn if int(_arg(n, 1).meta["val"].shape[-2]) == seq and _reaches(_arg(n, 3), WHOLE_MASK)}
+    # keys made whole (the sequence's, then any entries the module appends: DeepSeek-V4's compressed ones)
+    whole = {n for n in attn if int(_arg(n, 1).meta["val"].shape[-2]) >= seq and _reaches(_arg(n, 3), WHOLE_MASK)}
     for n in [n for n in nodes if n in attn or n.target in WHOLE_MASK]:
         if n.target in WHOLE_MASK:  # its mask: the whole sequence's, keys in sequence order, the model's shape
             mask = mask_for(True, _per_layer(n, prog.cp_windows, "the sliding window"),
