@@ -11,13 +11,12 @@ sequences of S tokens; this rank holds S/cp of each; at pp > 1 the graphs of thi
                      computes the masked half too; the causal work is half of it)
     saved            activations the forward keeps for backward (the ledger's M_saved)
 
-    whole_saved      of saved, what the modules run on the whole sequence on every CP rank keep (linear-
-                     attention mixers that pass no states: models/hf_mixers.py; DeepSeek-V4's compressors:
-                     models/hf_compressed.py): saved − kv_gathered times the share of the forward's saved
-                     outputs made in those modules
+    whole_saved      of saved, what the linear-attention mixers keep (models/hf_mixers.py: they run on the
+                     whole sequence on every CP rank): saved − kv_gathered times the share of the forward's
+                     saved outputs made in those modules
 
 Scaling with cp' ∈ {1, 2, 4, 8} at the same S: tokens and per-token activations divide by cp'; the
-gathered K/V that attention keeps and the whole-sequence modules' activations stay whole:
+gathered K/V that attention keeps and the whole-sequence mixers' activations stay whole:
     saved(cp') ≈ (saved − kv_gathered − whole_saved)·cp/cp' + kv_gathered + whole_saved
     attn_flops(cp') = attn_flops·cp/cp',   cp_bytes(cp') = kv_gathered·(cp'−1)/cp'
 """

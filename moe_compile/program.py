@@ -40,8 +40,7 @@ class Program:
     cp_length_positions: dict[str, int] = field(default_factory=dict)
     cp_windows: dict[str, int] = field(default_factory=dict)  # cp > 1: decoder layer ("*": all) → sliding window
     cp_chunks: dict[str, int] = field(default_factory=dict)  # cp > 1: decoder layer → attention chunk (Llama 4)
-    cp_whole_mixers: tuple[str, ...] = ()  # cp > 1: modules run on the whole sequence: linear-attention mixers
-    #                                        (hf_mixers), DeepSeek-V4's compressors (hf_compressed)
+    cp_whole_mixers: tuple[str, ...] = ()  # cp > 1: linear-attention mixers run on the whole sequence (hf_mixers)
     pipeline_stage: int = 0  # the pipeline stage this program runs (lease pools are per stage)
     owned: set | None = None  # pp > 1: names of the parameters this rank's stages hold (None: all)
     tied_copies: set = field(default_factory=set)  # names of weights tied across stages another rank also holds

@@ -573,8 +573,7 @@ V4_COMPRESSED = dict(compress_rates={"compressed_sparse_attention": 4, "heavily_
 def compressed_worker(rank: int, world: int, part: str) -> dict:
     """cp=2: DeepSeek-V4 (V4_COMPRESSED). "core": a plain batch, and the dense losses with each feature taken
     away (all entries picked, no window, no entry closed); "rest": a left-padded batch, and the compressor
-    run on the shard instead (its inputs not made whole: models/hf_compressed.py's hooks replaced)."""
-    import inspect
+    pooling the shard's tokens instead (its projections not made whole: models/hf_compressed.py)."""
     from unittest import mock
 
     from moe_compile.models import hf_compressed
@@ -591,16 +590,7 @@ def compressed_worker(rank: int, world: int, part: str) -> dict:
             out[name] = m(input_ids=x, labels=x, use_cache=False).loss.item()
         return out
     out = _padded_cases(world, 11, (("deepseek_v4_padded", "deepseek_v4", True),), **V4_COMPRESSED)
-
-    def on_shard(m, args, kwargs):  # no cache (the attention's is the whole-sequence hooks'), inputs as given
-        bound = inspect.signature(type(m).forward).bind(m, *args, **kwargs)
-        bound.arguments["cache"] = None
-        return bound.args[1:], bound.kwargs
-
-    def own_bias(m, args, kwargs, out):  # the shard's own entries' mask, boolean
-        return out if out[1] is None else (out[0], out[1] == 0)
-
-    with mock.patch.object(hf_compressed, "_before", on_shard), mock.patch.object(hf_compressed, "_after", own_bias):
+    with mock.patch.object(hf_compressed, "_whole_projection", lambda m, args, y: None):
         out["on_shard"] = _padded_cases(world, 11, (("on_shard", "deepseek_v4", False),), **V4_COMPRESSED)["on_shard"]
     return out
 
@@ -609,10 +599,10 @@ def compressed_worker(rank: int, world: int, part: str) -> dict:
 def test_cp2_compressed_attention(part):
     """Refused before: DeepSeek-V4's compressed attention layers (CSA and HCA) under context parallelism, as
     each module's compressor pools windows of the tokens it is given and its indexer picks among those
-    entries. Under cp > 1 the compressor runs on the whole sequence in sequence order and the attention reads
-    this shard's queries over the whole sequence's sliding keys and every entry (models/hf_compressed.py);
-    loss and every gradient as the dense model's, on a left-padded batch too. With the compressor on the
-    shard the gradients were 485% off."""
+    entries. Under cp > 1 the compressor pools the whole sequence's projected tokens, gathered in sequence
+    order, and its indexer scores this shard's queries; the attention reads them over the whole sequence's
+    sliding keys and every entry (models/hf_compressed.py). Loss and every gradient as the dense model's, on
+    a left-padded batch too. With the compressor pooling the shard the gradients were 485% off."""
     for out in run_ranks(compressed_worker, 2, part):
         if part == "core":
             dense = out.pop("dense")
@@ -875,6 +865,19 @@ def test_attention_without_an_sdpa_form_is_refused_before_any_stage_is_built():
     assert str(e.value).startswith("MixtralForCausalLM: attention (the model declares _supports_sdpa=False"), e.value
     for family in ("mimo_v2_flash", "gpt_oss"):
         _check_context_parallel(tiny_family_model(family, seed=0), spec)
+
+
+def test_a_kv_cache_passed_as_cache_is_refused():
+    """transformers 5.x names the cache argument `cache`: passed so, it reached the model, which filled it
+    with this rank's keys (checked were use_cache, past_key_values and cache_position only)."""
+    from transformers import DynamicCache
+
+    from moe_compile.runtime.context_parallel import shard_batch
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(OptionError, match="a KV cache"):
+        shard_batch({"input_ids": ids, "cache": DynamicCache()}, 2, 0)
+    assert shard_batch({"input_ids": ids, "cache": None}, 2, 0)["input_ids"].shape == (2, 4)
 
 
 def test_context_parallel_bad_input_is_a_clear_error():

@@ -209,16 +209,16 @@ def test_explain_whole_sequence_linear_attention_memory_does_not_shrink_with_cp(
 
 
 @pytest.mark.slow
-def test_explain_compressed_attention_memory_at_cp(tmp_path):
-    """DeepSeek-V4's compressors run on the whole sequence on every CP rank (models/hf_compressed.py): what
-    they save for backward does not shrink from cp=2 to cp=4 (60.1 KB and 59.3 KB at S=64, HCA windows of
-    8, CSA windows of 4), and explain counts it as whole; the cp=2 explain's projection for cp=4 against
-    what the cp=4 explain measures (within 2%; 1.0% here)."""
+def test_explain_compressed_attention_memory_shrinks_with_cp(tmp_path):
+    """DeepSeek-V4's compressed layers under CP (models/hf_compressed.py) pool the whole sequence's projected
+    tokens but score and attend for the shard's queries only: at S=256 (HCA windows of 8, CSA windows of 4)
+    the saved activations at cp=4 are about half those at cp=2 (13.3 MB → 6.7 MB), within 2% of the cp=2
+    explain's projection (0.3% here)."""
     from .test_context_parallel import V4_COMPRESSED
 
-    two, four, predicted = _cp_saved(tmp_path, "deepseek_v4", 64, **V4_COMPRESSED)
-    assert 0 < two["whole_saved_bytes"] <= two["saved_bytes"]
-    assert abs(four["whole_saved_bytes"] - two["whole_saved_bytes"]) <= 0.05 * two["whole_saved_bytes"], (two, four)
+    two, four, predicted = _cp_saved(tmp_path, "deepseek_v4", 256, **V4_COMPRESSED)
+    assert two["whole_saved_bytes"] == 0
+    assert four["saved_bytes"] <= 0.55 * two["saved_bytes"], (two["saved_bytes"], four["saved_bytes"])
     assert abs(predicted - four["saved_bytes"]) <= 0.02 * four["saved_bytes"], (predicted, four["saved_bytes"])
 
 

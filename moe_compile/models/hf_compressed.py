@@ -4,26 +4,26 @@ DeepSeek-V4's attention layers attend over a sliding window of the sequence's ke
 followed by compressed entries: each window of m tokens (HCA: m' tokens, no overlap; CSA: m tokens,
 each entry also reading the previous window's half) pooled into one entry by a learned softmax gate,
 which query t may read once its window has closed (t + 1 ≥ (w + 1)·m). CSA's lightning indexer then
-keeps each query's top-k entries. The module's ``compressor`` builds those entries and the per-query
-mask over them (``block_bias``) from the hidden states it is given, so on a sequence shard it would pool
-and pick over this rank's tokens only (its windows would also start at the shard, not the sequence).
+keeps each query's top-k entries, pooled the same way at its own width. The module's ``compressor``
+projects the hidden states it is given (``kv_proj``, ``gate_proj``; its indexer's likewise), pools
+their windows and builds the per-query mask over the entries (``block_bias``) for the queries it is
+given, so on a sequence shard it would pool this rank's tokens only, in windows that start at the
+shard, not at the sequence.
 
 Under cp > 1, while compiled, the attention module runs as an indexed one does (models/hf_indexed.py):
 its sliding keys come from ``cache.update`` as the whole sequence's, its boolean mask as this shard's
-queries over the whole sequence (moe_cp::whole_mask, with the config's window), and its compressor runs
-on the whole sequence:
+queries over the whole sequence (moe_cp::whole_mask, with the config's window). Its compressor keeps
+this shard's queries, and only the projections it pools come whole:
 
-    hidden_states, q_residual, position_ids → moe_cp::whole_sequence (in sequence order), no cache
-    block_bias [B, 1, S, T]                 → moe_cp::own_tokens (this shard's queries), as a boolean
-                                              mask (True: attend) beside the model's boolean one
+    kv_proj, gate_proj outputs (the compressor's and its indexer's) → moe_cp::whole_sequence
+    block_bias [B, 1, S/cp, T]                                     → a boolean mask (True: attend) beside
+                                                                     the model's boolean one
 
-so its windows, gates, indexer scores and picks are the dense model's, and the attention reads this
-shard's queries over S + T keys (the CP pass leaves that call as it is). Exact in forward and backward
-(the gathered inputs' gradients are reduce-scattered back). The cost is not sharded for the compressor:
-every rank of the CP group pools all S tokens and scores all S queries against the T entries (CSA's
-indexer, O(S·T) per rank); the sliding keys are gathered whole (not a halo of one window). The
-attention itself, the MoE and the MLP layers stay sharded. Run eagerly (not being compiled), the
-modules run as they were.
+so every rank pools the dense model's T entries, and the indexer scores and picks them for this shard's
+queries only (its O(S·T) scores, the quadratic part, divide by cp, as the attention's do). Exact in
+forward and backward (the gathered projections' gradients are reduce-scattered back). What does not
+divide by cp: the gathered projections and the pooling over them (O(S) per rank), and the whole
+sliding keys (not a halo of one window). Run eagerly (not being compiled), the modules run as they were.
 """
 
 from __future__ import annotations
@@ -36,44 +36,49 @@ import torch.nn as nn
 # config.layer_types entries of DeepSeek-V4's compressed layers (sliding window + compressed entries)
 COMPRESSED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
 _COMPRESSOR_ARGS = ("hidden_states", "q_residual", "position_ids", "cache")
+PROJECTIONS = ("kv_proj", "gate_proj")  # what a compressor (and its indexer) pools, per token
 
 
 def compressed_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The attention modules of DeepSeek-V4's form: a forward taking ``cache`` and a ``compressor`` child
-    (None on its sliding layers) whose forward takes hidden_states, q_residual, position_ids and cache."""
+    (None on its sliding layers) whose forward takes hidden_states, q_residual, position_ids and cache,
+    and which (and its ``indexer``, if any) holds the projections it pools as Linear children
+    (PROJECTIONS). Any other compressor would pool the shard: its layers stay refused."""
+    def pools(owner) -> bool:
+        return all(isinstance(getattr(owner, p, None), nn.Linear) for p in PROJECTIONS)
+
     def v4(m: nn.Module) -> bool:
         c = getattr(m, "compressor", None)
         return isinstance(c, nn.Module) and "cache" in inspect.signature(m.forward).parameters \
-            and set(_COMPRESSOR_ARGS) <= set(inspect.signature(c.forward).parameters)
+            and set(_COMPRESSOR_ARGS) <= set(inspect.signature(c.forward).parameters) and pools(c) \
+            and (getattr(c, "indexer", None) is None or pools(c.indexer))
 
     return [(name, m) for name, m in model.named_modules() if v4(m)]
 
 
-def _whole(x: torch.Tensor, cp: int) -> torch.Tensor:
-    return torch.ops.moe_cp.whole_sequence(x, 1, cp)
-
-
-def _before(m: nn.Module, args: tuple, kwargs: dict):
-    """Compressor pre-hook: the whole sequence's inputs, no cache, while being compiled."""
+def _no_cache(m: nn.Module, args: tuple, kwargs: dict):
+    """Compressor pre-hook while compiled: no cache (the attention's cache argument is the whole-sequence
+    hooks' of models/hf_indexed.py, not a transformers cache)."""
     if not torch.compiler.is_compiling():
         return None
-    cp = m._moe_cp_compressed
     bound = inspect.signature(type(m).forward).bind(m, *args, **kwargs)
-    for name in _COMPRESSOR_ARGS[:3]:
-        bound.arguments[name] = _whole(bound.arguments[name], cp)
-    bound.arguments["cache"] = None  # (the attention's cache argument: models/hf_indexed._WholeSequence)
+    bound.arguments["cache"] = None
     return bound.args[1:], bound.kwargs
 
 
-def _after(m: nn.Module, args: tuple, kwargs: dict, out):
-    """Compressor hook: the whole sequence's entries; their mask for this shard's queries, boolean (the
-    model concatenates it, cast to its mask's dtype, beside the boolean whole-sequence mask)."""
+def _boolean_bias(m: nn.Module, args: tuple, kwargs: dict, out):
+    """Compressor hook while compiled: its entries' mask as a boolean one (the model concatenates it, cast
+    to its mask's dtype, beside the boolean whole-sequence mask: cast from 0 / −inf it would invert)."""
+    if not torch.compiler.is_compiling() or out[1] is None:  # (None: no window closed yet)
+        return None
+    return out[0], out[1] == 0
+
+
+def _whole_projection(m: nn.Module, args: tuple, out: torch.Tensor):
+    """Projection hook while compiled: the whole sequence's projected tokens, in sequence order."""
     if not torch.compiler.is_compiling():
         return None
-    entries, bias = out
-    if bias is None:  # no window closed yet
-        return out
-    return entries, torch.ops.moe_cp.own_tokens(bias, 2, m._moe_cp_compressed) == 0
+    return torch.ops.moe_cp.whole_sequence(out, 1, m._moe_cp_compressed)
 
 
 def use_compressed_attention(model: nn.Module, cp: int) -> list[str]:
@@ -86,8 +91,14 @@ def use_compressed_attention(model: nn.Module, cp: int) -> list[str]:
         whole_sequence_keys(m, cp, path)
         c = m.compressor
         if getattr(c, "_moe_cp_compressed", None) is None:
-            c.register_forward_pre_hook(_before, with_kwargs=True)
-            c.register_forward_hook(_after, with_kwargs=True)
+            c.register_forward_pre_hook(_no_cache, with_kwargs=True)
+            c.register_forward_hook(_boolean_bias, with_kwargs=True)
         c._moe_cp_compressed = cp
+        for owner in (c, c.indexer) if getattr(c, "indexer", None) is not None else (c,):
+            for name in PROJECTIONS:
+                proj = getattr(owner, name)
+                if getattr(proj, "_moe_cp_compressed", None) is None:
+                    proj.register_forward_hook(_whole_projection)
+                proj._moe_cp_compressed = cp
         paths.append(path)
     return paths

@@ -49,8 +49,9 @@ def shard_batch(kwargs: dict[str, Any], cp: int, rank: int, count: bool = True) 
         raise OptionError("context parallelism needs input_ids of shape [batch, sequence]")
     if "inputs_embeds" in kwargs:
         raise OptionError("context parallelism shards input_ids; inputs_embeds is not supported")
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or "cache_position" in kwargs:
-        raise OptionError("context parallelism: a KV cache (use_cache=True, past_key_values, cache_position) would "
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None \
+            or "cache_position" in kwargs:  # (transformers 5.x names the cache argument `cache`)
+        raise OptionError("context parallelism: a KV cache (use_cache=True, cache, past_key_values, cache_position) would "
                           "hold one rank's shard of the keys, out of sequence order; pass use_cache=False")
     mask = kwargs.get("attention_mask")
     if mask is not None and tuple(mask.shape) != tuple(ids.shape):
