@@ -571,8 +571,9 @@ V4_COMPRESSED = dict(compress_rates={"compressed_sparse_attention": 4, "heavily_
 
 
 def compressed_worker(rank: int, world: int, part: str) -> dict:
-    """cp=2: DeepSeek-V4 (V4_COMPRESSED). "core": a plain batch, and the dense losses with each feature taken
-    away (all entries picked, no window, no entry closed); "rest": a left-padded batch, and the compressor
+    """cp=2: DeepSeek-V4 (V4_COMPRESSED). "core": a plain batch, the dense losses with each feature taken
+    away (all entries picked, no window, no entry closed), and the shapes of the indexer's scores in the
+    compiled forward; "rest": a left-padded batch, one without a window (no mask made), and the compressor
     pooling the shard's tokens instead (its projections not made whole: models/hf_compressed.py)."""
     from unittest import mock
 
@@ -588,8 +589,20 @@ def compressed_worker(rank: int, world: int, part: str) -> dict:
             m = tiny_family_model("deepseek_v4", seed=0, **{**V4_COMPRESSED, **kw})
             x = b % m.config.vocab_size
             out[name] = m(input_ids=x, labels=x, use_cache=False).loss.item()
+        cm = moe_compile(tiny_family_model("deepseek_v4", seed=0, **V4_COMPRESSED), MeshSpec.parse("cp=2").resolve(world))
+        x = b % cm.model.config.vocab_size
+        cm(input_ids=x, labels=x, use_cache=False)
+        # the indexer's scores [B, queries, index heads, T entries] (T = 32 / 4 CSA windows)
+        score = (cm.model.config.index_n_heads, 32 // V4_COMPRESSED["compress_rates"]["compressed_sparse_attention"])
+        vals = [n.meta.get("val") for n in cm.program.graphs["forward"].graph.nodes]
+        out["index_scores"] = sorted({tuple(v.shape) for v in vals if isinstance(v, torch.Tensor) and v.dim() == 4
+                                      and tuple(v.shape[2:]) == score})
+        cm.close()
         return out
     out = _padded_cases(world, 11, (("deepseek_v4_padded", "deepseek_v4", True),), **V4_COMPRESSED)
+    # a window longer than the sequence and no padding: transformers makes no mask (models/hf_compressed._a_mask)
+    out.update(_padded_cases(world, 11, (("deepseek_v4_no_mask", "deepseek_v4", False),),
+                             **{**V4_COMPRESSED, "sliding_window": 64}))
     with mock.patch.object(hf_compressed, "_whole_projection", lambda m, args, y: None):
         out["on_shard"] = _padded_cases(world, 11, (("on_shard", "deepseek_v4", False),), **V4_COMPRESSED)["on_shard"]
     return out
@@ -602,9 +615,13 @@ def test_cp2_compressed_attention(part):
     entries. Under cp > 1 the compressor pools the whole sequence's projected tokens, gathered in sequence
     order, and its indexer scores this shard's queries; the attention reads them over the whole sequence's
     sliding keys and every entry (models/hf_compressed.py). Loss and every gradient as the dense model's, on
-    a left-padded batch too. With the compressor pooling the shard the gradients were 485% off."""
+    a left-padded batch too; the indexer scores this shard's queries only. With the compressor pooling the
+    shard the gradients were 485% off."""
     for out in run_ranks(compressed_worker, 2, part):
         if part == "core":
+            # the indexer scores this shard's 16 queries of 32 (2 sequences, 4 index heads, 8 CSA entries);
+            # when the compressor ran on the whole sequence, all 32 on every rank
+            assert out.pop("index_scores") == [(2, 32 // 2, 4, 8)], out
             dense = out.pop("dense")
             for feature in ("all_picked", "no_window", "no_entries"):  # each changes the loss: the case tests it
                 assert abs(out.pop(feature) - dense) > 1e-3, (feature, dense, out)

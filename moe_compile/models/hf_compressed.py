@@ -12,7 +12,8 @@ shard, not at the sequence.
 
 Under cp > 1, while compiled, the attention module runs as an indexed one does (models/hf_indexed.py):
 its sliding keys come from ``cache.update`` as the whole sequence's, its boolean mask as this shard's
-queries over the whole sequence (moe_cp::whole_mask, with the config's window). Its compressor keeps
+queries over the whole sequence (moe_cp::whole_mask, with the config's window; where transformers made
+no mask, an all-true one stands in, else the module would skip its entries' mask). Its compressor keeps
 this shard's queries, and only the projections it pools come whole:
 
     kv_proj, gate_proj outputs (the compressor's and its indexer's) → moe_cp::whole_sequence
@@ -56,6 +57,22 @@ def compressed_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]
     return [(name, m) for name, m in model.named_modules() if v4(m)]
 
 
+def _a_mask(m: nn.Module, args: tuple, kwargs: dict):
+    """Attention pre-hook while compiled (before models/hf_indexed.py's): transformers makes no mask where
+    plain causal attention would do (no padding, a window longer than the sequence), and the module then
+    skips its entries' mask; it gets an all-true one, which the CP pass replaces with the whole sequence's
+    causal mask (moe_cp::whole_mask)."""
+    if not torch.compiler.is_compiling():
+        return None
+    bound = inspect.signature(type(m).forward).bind(m, *args, **kwargs)
+    if bound.arguments.get("attention_mask") is not None:
+        return None
+    b, shard = bound.arguments["hidden_states"].shape[:2]
+    bound.arguments["attention_mask"] = torch.ones((b, 1, shard, shard), dtype=torch.bool,
+                                                   device=bound.arguments["hidden_states"].device)
+    return bound.args[1:], bound.kwargs
+
+
 def _no_cache(m: nn.Module, args: tuple, kwargs: dict):
     """Compressor pre-hook while compiled: no cache (the attention's cache argument is the whole-sequence
     hooks' of models/hf_indexed.py, not a transformers cache)."""
@@ -88,6 +105,8 @@ def use_compressed_attention(model: nn.Module, cp: int) -> list[str]:
 
     paths = []
     for path, m in compressed_attention_modules(model):
+        if getattr(m, "_moe_cp_whole", None) is None:  # (registered before whole_sequence_keys' hook)
+            m.register_forward_pre_hook(_a_mask, with_kwargs=True)
         whole_sequence_keys(m, cp, path)
         c = m.compressor
         if getattr(c, "_moe_cp_compressed", None) is None:

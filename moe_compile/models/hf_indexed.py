@@ -77,13 +77,6 @@ def _whole_sequence(m: nn.Module, args: tuple, kwargs: dict):
     if cache is not None and cache.get_seq_length(getattr(m, "layer_idx", 0)) > 0:
         raise UnsupportedFeatureError(f"{path}: a KV cache holding earlier tokens under context parallelism "
                                       f"(cp={cp}): only whole sequences are sharded; use cp=1 to decode")
-    hidden = bound.arguments.get("hidden_states")
-    if mask is None and getattr(m, "compressor", None) is not None and isinstance(hidden, torch.Tensor):
-        # transformers makes no mask where plain causal attention would do (no padding, a window longer than
-        # the sequence); DeepSeek-V4's compressed layers then skip their entries' mask (models/hf_compressed.py),
-        # so they get one: the CP pass makes the whole sequence's causal mask in whole_mask's place
-        b, shard = hidden.shape[:2]
-        mask = torch.ones((b, 1, shard, shard), dtype=torch.bool, device=hidden.device)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise UnsupportedFeatureError(
             f"{path}: indexed attention under context parallelism (cp={cp}) needs the boolean mask of "
