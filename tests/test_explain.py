@@ -210,16 +210,23 @@ def test_explain_whole_sequence_linear_attention_memory_does_not_shrink_with_cp(
 
 @pytest.mark.slow
 def test_explain_compressed_attention_memory_shrinks_with_cp(tmp_path):
-    """DeepSeek-V4's compressed layers under CP (models/hf_compressed.py) pool the whole sequence's projected
-    tokens but score and attend for the shard's queries only: at S=256 (HCA windows of 8, CSA windows of 4)
-    the saved activations at cp=4 are about half those at cp=2 (13.3 MB → 6.7 MB), within 2% of the cp=2
-    explain's projection (0.3% here)."""
+    """DeepSeek-V4's compressed layers under CP (models/hf_compressed.py) pool this rank's windows, gather
+    the entries and score and attend for the shard's queries only: at S=256 (HCA windows of 8, CSA windows
+    of 4) the saved activations at cp=4 are about half those at cp=2 (13.3 MB → 6.7 MB), within 2% of the
+    cp=2 explain's projection (0.1% here). What is gathered, against the config by hand: 51.2 KB at cp=2
+    (196.6 KB when the compressors pooled the whole sequence's projections)."""
     from .test_context_parallel import V4_COMPRESSED
 
     two, four, predicted = _cp_saved(tmp_path, "deepseek_v4", 256, **V4_COMPRESSED)
     assert two["whole_saved_bytes"] == 0
     assert four["saved_bytes"] <= 0.55 * two["saved_bytes"], (two["saved_bytes"], four["saved_bytes"])
     assert abs(predicted - four["saved_bytes"]) <= 0.02 * four["saved_bytes"], (predicted, four["saved_bytes"])
+    # the tiny config: an HCA layer (m' = 8) and a CSA one (m = 4), head_dim = index_head_dim = 16, fp32, B=1
+    s, hd, m, m_hca, cp, fp32 = 256, 16, 4, 8, 2, 4
+    keys = 2 * s * hd * fp32  # each layer's sliding keys, whole
+    entries = (s // m_hca + 2 * (s // m)) * hd * fp32  # HCA's; CSA's and its indexer's
+    halos = 2 * 2 * cp * 2 * m * 2 * hd * fp32  # (compressor, indexer) × (kv, gate) × cp ranks' 2 chunks' windows
+    assert two["kv_gathered_bytes"] == keys + entries + halos, two["kv_gathered_bytes"]
 
 
 def test_explain_lightning_attention_memory_shrinks_with_cp(tmp_path):

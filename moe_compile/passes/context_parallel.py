@@ -296,14 +296,17 @@ def _reaches(x, targets: tuple, limit: int = 256) -> bool:
 
 def _refuse_eager_attention(nodes: list[fx.Node], shard: int, cp: int) -> None:
     """Attention computed as matmul-softmax beside the SDPA calls the pass rewrites (one layer of the user's
-    own, say) would mix the tokens of this rank's shard only: a softmax in an attention module over
-    [..., S/cp, S/cp] scores (S/cp + 1 with a sink column) is refused. It ran silently on the shard before."""
+    own, say) would mix the tokens of this rank's shard only: a softmax in an attention module over the last
+    axis of [..., S/cp, S/cp] scores (S/cp + 1 with a sink column) is refused. It ran silently on the shard before."""
     for n in nodes:
         if n.op not in ("call_function", "call_method") or "softmax" not in str(n.target) or not n.args:
             continue
         val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dim() < 3 or val.shape[-2] != shard \
                 or val.shape[-1] not in (shard, shard + 1) or not _has_attention_module([n]):
+            continue
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", -1)
+        if isinstance(dim, int) and dim % val.dim() != val.dim() - 1:  # not over keys (a pooling gate's window)
             continue
         where = module_path(n) or _where(n)
         if val.shape[-1] == shard + 1:
