@@ -294,10 +294,30 @@ def _reaches(x, targets: tuple, limit: int = 256) -> bool:
     return False
 
 
+def _product_scores(x, shard: int, limit: int = 32) -> bool:
+    """Whether node ``x`` is computed (the nearest ``limit`` nodes) from a matrix product whose output ends
+    in [S/cp, S/cp]: queries times keys. (DeepSeek-V4's hyper-connections softmax a [S/cp, 4, 4] mixing
+    matrix viewed from a linear layer's output; at S/cp = 4 its shape alone looks like scores.)"""
+    seen, todo = set(), deque([x] if isinstance(x, fx.Node) else [])
+    while todo and len(seen) < limit:
+        n = todo.popleft()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        name = str(n.target)
+        if n.op in ("call_function", "call_method") and any(p in name for p in ("matmul", "bmm", "einsum")) \
+                and isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (shard, shard):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
 def _refuse_eager_attention(nodes: list[fx.Node], shard: int, cp: int) -> None:
     """Attention computed as matmul-softmax beside the SDPA calls the pass rewrites (one layer of the user's
     own, say) would mix the tokens of this rank's shard only: a softmax in an attention module over the last
-    axis of [..., S/cp, S/cp] scores (S/cp + 1 with a sink column) is refused. It ran silently on the shard before."""
+    axis of [..., S/cp, S/cp] scores (S/cp + 1 with a sink column) made by a matrix product is refused. It
+    ran silently on the shard before."""
     for n in nodes:
         if n.op not in ("call_function", "call_method") or "softmax" not in str(n.target) or not n.args:
             continue
@@ -307,6 +327,8 @@ def _refuse_eager_attention(nodes: list[fx.Node], shard: int, cp: int) -> None:
             continue
         dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", -1)
         if isinstance(dim, int) and dim % val.dim() != val.dim() - 1:  # not over keys (a pooling gate's window)
+            continue
+        if not _product_scores(n.args[0], shard):
             continue
         where = module_path(n) or _where(n)
         if val.shape[-1] == shard + 1:
