@@ -1097,3 +1097,38 @@ def test_load_balancing_loss_of_a_subclass_and_as_a_tuple():
         assert abs(loss - want) <= TOL * want and abs(aux - want_aux) <= TOL * want_aux, r
         assert abs(r["tuple"][0] - want) <= TOL * want and abs(r["tuple"][1] - want_aux) <= TOL * want_aux, r
         assert abs(r["tuple_aux_only"] - want_aux) <= TOL * want_aux, r
+
+
+def test_the_matmul_softmax_guard_asks_for_scores_of_a_product():
+    """The guard against attention computed as matmul-softmax on a shard looked at shapes alone: DeepSeek-V4's
+    hyper-connections softmax a [B, S/cp, 4, 4] mixing matrix viewed from a linear layer's output, so at
+    S/cp = 4 (the families sweep's 16 tokens at cp=4) the model was refused. Scores made by a product of
+    the shard's queries and keys, [B, H, S/cp, S/cp], still are."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    from moe_compile.passes.context_parallel import _refuse_eager_attention
+
+    class Mixing(nn.Module):  # the hyper-connections' form
+        def __init__(self):
+            super().__init__()
+            self.fn = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return torch.softmax(self.fn(x).view(2, 4, 4, 4) * 2.0 + 1.0, dim=-1)
+
+    class Scores(nn.Module):  # attention's
+        def forward(self, q, k):
+            return (q @ k.transpose(-1, -2)).softmax(-1)
+
+    def guard(module: nn.Module, path: str, *args) -> None:
+        gm = torch.fx.symbolic_trace(module)
+        ShapeProp(gm).propagate(*args)
+        for n in gm.graph.nodes:
+            if "tensor_meta" in n.meta:
+                n.meta["val"] = torch.empty(n.meta["tensor_meta"].shape)
+            n.meta["nn_module_stack"] = {path: (path, type(module))}
+        _refuse_eager_attention(list(gm.graph.nodes), 4, 4)
+
+    guard(Mixing(), "model.layers.0.attn_hc", torch.randn(2, 4, 8))  # not attention: no error
+    with pytest.raises(UnsupportedFeatureError, match="attention computed as matmul-softmax under context parallelism"):
+        guard(Scores(), "model.layers.0.self_attn", torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8))
