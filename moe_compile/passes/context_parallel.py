@@ -282,13 +282,18 @@ def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
 
 def _reaches(x, targets: tuple, limit: int = 256) -> bool:
     """Whether node ``x`` is computed from a node calling one of ``targets`` (the nearest ``limit`` nodes)."""
+    return _computed_from(x, lambda n: n.target in targets, limit)
+
+
+def _computed_from(x, found, limit: int) -> bool:
+    """Whether node ``x`` or one of the nearest ``limit`` nodes it is computed from is ``found``."""
     seen, todo = set(), deque([x] if isinstance(x, fx.Node) else [])
     while todo and len(seen) < limit:
         n = todo.popleft()
         if n in seen:
             continue
         seen.add(n)
-        if n.target in targets:
+        if found(n):
             return True
         todo.extend(n.all_input_nodes)
     return False
@@ -298,19 +303,12 @@ def _product_scores(x, shard: int, limit: int = 32) -> bool:
     """Whether node ``x`` is computed (the nearest ``limit`` nodes) from a matrix product whose output ends
     in [S/cp, S/cp]: queries times keys. (DeepSeek-V4's hyper-connections softmax a [S/cp, 4, 4] mixing
     matrix viewed from a linear layer's output; at S/cp = 4 its shape alone looks like scores.)"""
-    seen, todo = set(), deque([x] if isinstance(x, fx.Node) else [])
-    while todo and len(seen) < limit:
-        n = todo.popleft()
-        if n in seen:
-            continue
-        seen.add(n)
+    def product(n: fx.Node) -> bool:
         val = n.meta.get("val")
-        name = str(n.target)
-        if n.op in ("call_function", "call_method") and any(p in name for p in ("matmul", "bmm", "einsum")) \
-                and isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (shard, shard):
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+        return n.op in ("call_function", "call_method") and any(p in str(n.target) for p in ("matmul", "bmm", "einsum")) \
+            and isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (shard, shard)
+
+    return _computed_from(x, product, limit)
 
 
 def _refuse_eager_attention(nodes: list[fx.Node], shard: int, cp: int) -> None:
