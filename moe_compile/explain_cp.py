@@ -3,7 +3,8 @@
 Glossary: C / CP, S, B. Read from the compiled graphs of the explained rank (one micro-batch of B
 sequences of S tokens; this rank holds S/cp of each; at pp > 1 the graphs of this rank's stages):
 
-    kv_gathered      bytes the K/V all-gathers return per step (every layer, one micro-batch)
+    kv_gathered      bytes the K/V all-gathers return per step (every layer, one micro-batch; with them
+                     DeepSeek-V4's compressed entries and halo windows: models/hf_compressed.py)
     cp_bytes         bytes a rank receives in the K/V all-gathers, (cp−1)/cp of kv_gathered, and the
                      same again in backward's reduce-scatter of their gradients
     attn_flops       attention FLOPs per rank per step: QKᵀ and PV against all S keys,
