@@ -87,7 +87,7 @@ def moe_compile(model: nn.Module, mesh: MeshSpec | str | None = None, **options:
         _check_context_parallel(model, spec)
         use_sink_attention(model)  # GPT-OSS & co.: their sink attention as one op the CP pass shards
         use_indexed_attention(model, spec.cp)  # DeepSeek-V3.2 & co.: their indexer over the whole sequence's keys
-        use_compressed_attention(model, spec.cp)  # DeepSeek-V4: its compressor pools the whole sequence
+        use_compressed_attention(model, spec.cp)  # DeepSeek-V4: each rank pools its windows, entries gathered
         whole_mixers = use_whole_sequence_mixers(model, spec.cp)  # linear attention over the whole sequence
         use_halo_modules(model, spec.cp)  # Zaya's convolutional attention: each chunk with its halo
     use_static_qsa(model)  # Qwen4-Exp: its token indexer's per-query loop as one static graph

@@ -161,10 +161,9 @@ def _shard_windows(m: nn.Module, args: tuple, kwargs: dict):
     if not torch.compiler.is_compiling():
         return None
     bound = inspect.signature(type(m).forward).bind(m, *args, **kwargs)
-    forms = _pooling_forms(m)
-    shard = bound.arguments["hidden_states"].shape[1]
-    local = _pools_shard(shard, [f[0] for f in forms.values()])
-    bound.arguments["cache"] = _ShardWindows(m._moe_cp_compressed, forms, bound.arguments["layer_idx"]) if local else None
+    cp, forms = m._moe_cp_compressed
+    local = _pools_shard(bound.arguments["hidden_states"].shape[1], [f[0] for f in forms.values()])
+    bound.arguments["cache"] = _ShardWindows(cp, forms, bound.arguments["layer_idx"]) if local else None
     return bound.args[1:], bound.kwargs
 
 
@@ -201,8 +200,9 @@ def use_compressed_attention(model: nn.Module, cp: int) -> list[str]:
         if getattr(c, "_moe_cp_compressed", None) is None:
             c.register_forward_pre_hook(_shard_windows, with_kwargs=True)
             c.register_forward_hook(_boolean_bias, with_kwargs=True)
-        c._moe_cp_compressed = cp
-        rates = tuple(f[0] for f in _pooling_forms(c).values())
+        forms = _pooling_forms(c)
+        c._moe_cp_compressed = (cp, forms)
+        rates = tuple(f[0] for f in forms.values())
         for owner in (c, c.indexer) if getattr(c, "indexer", None) is not None else (c,):
             for name in PROJECTIONS:
                 proj = getattr(owner, name)
