@@ -4,12 +4,15 @@ Glossary: C / CP, S, B. Read from the compiled graphs of the explained rank (one
 sequences of S tokens; this rank holds S/cp of each; at pp > 1 the graphs of this rank's stages):
 
     kv_gathered      bytes the K/V all-gathers return per step (every layer, one micro-batch; with them
-                     DeepSeek-V4's compressed entries and halo windows: models/hf_compressed.py)
-    cp_bytes         bytes a rank receives in the K/V all-gathers, (cp−1)/cp of kv_gathered, and the
-                     same again in backward's reduce-scatter of their gradients
-    attn_flops       attention FLOPs per rank per step: QKᵀ and PV against all S keys,
-                     4·B·H·(S/cp)·S·hd per layer forward, ×3 with backward (the all-gather form
-                     computes the masked half too; the causal work is half of it)
+                     DeepSeek-V4's compressed entries, models/hf_compressed.py) and the halos the
+                     neighbouring ranks send (halo_bytes: a sliding window's keys before each chunk,
+                     convolutions' and V4's halo windows; moe_cp::halo_exchange)
+    cp_bytes         bytes a rank receives: (cp−1)/cp of the all-gathered, and the halos; the same again
+                     in backward's reduce-scatter of the gradients and return of the halos'
+    attn_flops       attention FLOPs per rank per step: QKᵀ and PV against the keys each query row is
+                     given, 4·B·H·(S/cp)·keys·hd per layer forward, ×3 with backward: all S keys (the
+                     all-gather form computes the masked half too; the causal work is half of it), or
+                     a sliding window's S/cp + 2·(window − 1)
     saved            activations the forward keeps for backward (the ledger's M_saved)
 
     whole_saved      of saved, what the linear-attention mixers keep (models/hf_mixers.py: they run on the
@@ -19,7 +22,9 @@ sequences of S tokens; this rank holds S/cp of each; at pp > 1 the graphs of thi
 Scaling with cp' ∈ {1, 2, 4, 8} at the same S: tokens and per-token activations divide by cp'; the
 gathered K/V that attention keeps and the whole-sequence mixers' activations stay whole:
     saved(cp') ≈ (saved − kv_gathered − whole_saved)·cp/cp' + kv_gathered + whole_saved
-    attn_flops(cp') = attn_flops·cp/cp',   cp_bytes(cp') = kv_gathered·(cp'−1)/cp'
+    attn_flops(cp') per call: 4·B·H·hd·(S/cp')·keys(cp'), keys S (with V4's entries), or S/cp' + 2·(window − 1)
+                    where a sliding window's halos fit (passes/context_parallel.halo_reach)
+    cp_bytes(cp') = 2·((kv_gathered − halos)·(cp'−1)/cp' + halos)
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 
 from .attention_ops import SINKS
+from .passes.context_parallel import halo_reach
 
 
 def _nbytes(v: Any) -> int:
@@ -85,28 +91,46 @@ def cp_rows(cm, ledger) -> dict[str, Any] | None:
     gathers = [n for fwd, _ in graphs for n in fwd.graph.nodes
                if n.op == "call_function" and "moe_cp.all_gather" in str(n.target)]
     kv = [n for n in gathers if n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 3]
-    kv_bytes = sum(_nbytes(n.meta["val"]) for n in kv)
+    # halos from the neighbouring ranks (sliding-window keys, convolutions, V4's halo windows): two chunks' worth
+    halos = [n for fwd, _ in graphs for n in fwd.graph.nodes if n.op == "call_function"
+             and "moe_cp.halo_exchange" in str(n.target) and n.meta["val"].is_floating_point()]
+    halo_bytes = sum(_nbytes(n.meta["val"]) for n in halos)
+    kv_bytes = sum(_nbytes(n.meta["val"]) for n in kv) + halo_bytes
     # router logits [tokens, N] (and a block's routes [tokens, K]) gathered along the tokens for a
     # load-balancing loss over the whole sequences; the positions' gather runs along the sequence (dim 1)
     router_bytes = sum(_nbytes(n.meta["val"]) for n in gathers if n.meta["val"].dim() == 2 and n.args[1] == 0)
-    flops = 0
+    attn = []  # (B·H·hd, S/cp queries, keys) of each attention call
     for n in (n for _, part in graphs for n in part.graph.nodes):
         if n.op == "call_function" and ("scaled_dot_product" in str(n.target) or n.target in SINKS):
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             b, h, sq, hd = (int(x) for x in q.shape)
-            flops += 4 * b * h * sq * int(k.shape[-2]) * hd
+            attn.append((b * h * hd, sq, int(k.shape[-2])))
+
+    def attn_flops(c: int) -> int:  # forward, at cp = c: the whole sequence's keys, or a sliding window's spans
+        total = 0
+        for bhd, sq, keys in attn:
+            seq = sq * cp
+            reach = (keys - sq) // 2 if keys < seq else 0
+            if reach:
+                keys = seq // c + 2 * reach if halo_reach(reach + 1, 0, seq // c, c) else seq
+            total += 4 * bhd * (seq // c) * keys
+        return total
+
+    flops = attn_flops(cp)
     try:
         saved = int(ledger["M_saved"])
     except (KeyError, TypeError, ValueError):
         saved = None
     whole = int((saved - kv_bytes) * _whole_mixer_share(cm)) if saved is not None else 0
+    def traffic(c: int) -> int:  # received in forward, and the gradients sent back in backward
+        return 2 * ((kv_bytes - halo_bytes + router_bytes) * (c - 1) // c + (halo_bytes if c > 1 else 0))
+
     scaling = []
     for c in (1, 2, 4, 8):
         scaling.append({"cp": c, "saved_bytes": (saved - kv_bytes - whole) * cp // c + kv_bytes + whole
-                        if saved is not None else None,
-                        "attn_flops": 3 * flops * cp // c, "cp_bytes": 2 * (kv_bytes + router_bytes) * (c - 1) // c})
+                        if saved is not None else None, "attn_flops": 3 * attn_flops(c), "cp_bytes": traffic(c)})
     return {"cp": cp, "kv_gathered_bytes": kv_bytes, "router_gathered_bytes": router_bytes,
-            "cp_bytes_per_step": 2 * (kv_bytes + router_bytes) * (cp - 1) // cp,
+            "halo_bytes": halo_bytes, "cp_bytes_per_step": traffic(cp),
             "attn_flops_per_step": 3 * flops, "saved_bytes": saved, "whole_saved_bytes": whole, "scaling": scaling,
             "all_gathers": len(kv)}
 

@@ -225,6 +225,59 @@ def test_cp4_ep2_eight_ranks():
     check(run_ranks(cp_worker, 8, ("tiny", "olmoe"), "cp=4,ep_mp=2", 32), 32, 4)
 
 
+def halo_worker(rank: int, world: int) -> dict:
+    """cp=world: this rank's two chunks of a [B, S, C] sequence (S = 2cp chunks of 4), each after the 3 tokens
+    before it (ops.context_parallel.chunks_with_halos), and the gradient of Σ w·out over the whole group,
+    with w a fixed weight per (chunk, place); the tails each rank received in forward and backward."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from moe_compile.ops.context_parallel import chunks_with_halos
+    from moe_compile.runtime.context import RuntimeContext, register_context, release_context
+    from moe_compile.runtime.stats import RuntimeStats
+    from moe_compile.runtime.transport import LocalTransport
+
+    ctx = register_context(RuntimeContext(LocalTransport(RuntimeStats()), cp_group=dist.group.WORLD))
+    seq = torch.arange(2 * 8 * world * 3, dtype=torch.float64).reshape(2, 8 * world, 3)  # [B, S, C]
+    x = seq[:, shard_positions(8 * world, world, rank)].clone().requires_grad_(True)
+    received, exchange = [], dist.all_to_all_single
+
+    def counted(output, *args, **kwargs):
+        received.append(output.shape[0])
+        return exchange(output, *args, **kwargs)
+
+    with mock.patch.object(dist, "all_to_all_single", counted):
+        out = chunks_with_halos(x, 1, 3, ctx, world)  # [2 chunks, B, 3 + 4, C]
+        w = torch.randn(2 * world, *out.shape[1:], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        (out * torch.stack([w[rank], w[2 * world - 1 - rank]])).sum().backward()
+    release_context(ctx)
+    return {"out": out.detach(), "grad": x.grad, "seq": seq, "w": w, "received": received}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_halos_come_from_the_neighbouring_ranks(world):
+    """Each chunk's halo (the tokens before it in the sequence; zeros before chunk 0) now travels only
+    between neighbouring ranks (moe_cp::halo_exchange: two tails per rank, not the group's 2cp): each rank's
+    chunks with their halos against slices of the whole sequence, and the gradient against one worked out
+    from the whole sequence by hand: a token's is its own weight plus that of each halo place it fills.
+    At cp=4 ranks 1 and 2 trade with both sides, and rank 3's second chunk reads its own first chunk's tail."""
+    outs = run_ranks(halo_worker, world)
+    # one exchange each way, of a tail from each neighbour there is (ranks 0 and cp−1 have one)
+    assert [o["received"] for o in outs] == [[1, 1]] + [[2, 2]] * (world - 2) + [[1, 1]], outs
+    seq, w = outs[0]["seq"], outs[0]["w"]
+    grad = torch.zeros_like(seq)
+    for c in range(2 * world):  # chunk c: tokens 4c … 4c + 3, after 4c − 3 … 4c − 1
+        grad[:, 4 * c:4 * c + 4] += w[c][:, 3:]
+        lo = max(4 * c - 3, 0)
+        grad[:, lo:4 * c] += w[c][:, 3 - (4 * c - lo):3]
+    for rank, out in enumerate(outs):
+        for i, c in enumerate((rank, 2 * world - 1 - rank)):
+            want = torch.cat([torch.zeros(2, max(3 - 4 * c, 0), 3, dtype=seq.dtype), seq[:, max(4 * c - 3, 0):4 * c + 4]], 1)
+            assert torch.equal(out["out"][i], want), (rank, c)
+        assert torch.allclose(out["grad"], grad[:, shard_positions(8 * world, world, rank)]), rank
+
+
 def test_shard_positions_are_load_balanced_chunks():
     """S=16, cp=2: four chunks of 4; rank 0 takes chunks 0 and 3, rank 1 chunks 1 and 2."""
     assert shard_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
@@ -393,8 +446,32 @@ WINDOW_CASES = {"core": (("gemma4_text", "gemma4_text", False), ("mixtral_padded
 
 def window_worker(rank: int, world: int, part: str) -> dict:
     """cp=2, sliding window 4 over 32 tokens: Mixtral (every layer slides), Gemma 4 and EXAONE-MoE (sliding
-    and full layers alternate), Mixtral on a left-padded batch too."""
-    return _padded_cases(world, 7, WINDOW_CASES[part], sliding_window=4)
+    and full layers alternate), Mixtral on a left-padded batch and on packed sequences too (one restarts at
+    token 14, inside the halo of chunk 2: tokens 13–15); in "core" also the keys each compiled Mixtral
+    attention is given and the halos exchanged for them."""
+    from moe_compile.models.hf import tiny_family_model
+
+    out = _padded_cases(world, 7, WINDOW_CASES[part], sliding_window=4)
+    if part != "core":
+        return out
+    spec = MeshSpec.parse("cp=2").resolve(world)
+    b = make_batches(1, 2, 32, seed=7)[0]
+    packed = torch.stack([torch.cat([torch.arange(14), torch.arange(18)]), torch.arange(32)])
+    model = tiny_family_model("mixtral", seed=0, sliding_window=4)
+    x = b % model.config.vocab_size
+    out["mixtral_packed"] = against_dense(model, spec, input_ids=x, labels=x, position_ids=packed, use_cache=False)
+    unpacked = tiny_family_model("mixtral", seed=0, sliding_window=4)
+    out["unpacked_loss"] = unpacked(input_ids=x, labels=x, use_cache=False).loss.item()
+    cm = moe_compile(tiny_family_model("mixtral", seed=0, sliding_window=4), spec)
+    cm(input_ids=x, labels=x, use_cache=False)
+    nodes = cm.program.graphs["forward"].graph.nodes
+    out["keys"] = [tuple(n.args[1].meta["val"].shape) for n in nodes if "scaled_dot_product" in str(n.target)]
+    out["exchanged"] = [tuple(n.args[0].meta["val"].shape) for n in nodes if "moe_cp.halo_exchange" in str(n.target)]
+    out["kv_gathers"] = [n for n in nodes if "moe_cp.all_gather" in str(n.target) and n.meta["val"].dim() >= 3]
+    out["config"] = (cm.model.config.num_hidden_layers, cm.model.config.num_attention_heads, cm.model.config.head_dim)
+    cm.close()
+    out["kv_gathers"] = len(out["kv_gathers"])
+    return out
 
 
 @pytest.mark.parametrize("part", core_and_rest("core", "rest"))
@@ -402,8 +479,32 @@ def test_cp2_sliding_window_attention(part):
     """Refused before: sliding-window layers under context parallelism. The CP mask applies the config's
     window by global token index on its sliding layers (every layer without config.layer_types). With
     window 4 over 32 tokens the dense losses differ from full attention's by 1e-4 to 2e-2; loss and every
-    gradient as the dense model's."""
+    gradient as the dense model's. Each chunk's queries attend to that chunk after the 3 keys before it,
+    sent by the neighbouring rank: 16 + 2·3 keys per rank, not the sequence's 32 gathered
+    (moe_cp::halo_exchange, moe_cp::window_mask; until 2026-12-07 every sliding layer gathered them all)."""
     for out in run_ranks(window_worker, 2, part):
+        if part == "core":
+            layers, heads, hd = out.pop("config")  # K/V heads as SDPA is given them (transformers repeats them)
+            assert out.pop("keys") == [(2, heads, 16 + 2 * 3, hd)] * layers, out
+            # K, V and the positions: the 3 tokens before each of the 2 chunks
+            assert sorted(out.pop("exchanged")) == sorted([(2, 2, 3)] + [(2, 2, heads, 3, hd)] * 2 * layers), out
+            assert out.pop("kv_gathers") == 0, out
+            assert abs(out.pop("unpacked_loss") - out["mixtral_packed"][1]) > 1e-3, out  # the packing matters
+        for case, (got, want, err) in out.items():
+            assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
+
+
+def window4_worker(rank: int, world: int) -> dict:
+    """cp=4, 32 tokens (chunks of 4), sliding window 4: Mixtral, and GPT-OSS (sinks) left-padded."""
+    return _padded_cases(world, 7, (("mixtral", "mixtral", False), ("gpt_oss_padded", "gpt_oss", True)),
+                         mesh="cp=4", sliding_window=4)
+
+
+@pytest.mark.slow
+def test_cp4_sliding_window_attention():
+    """cp=4: the middle ranks' chunks take their halos from both neighbours, and the last rank's second
+    chunk from its own first. Loss and every gradient as the dense model's."""
+    for out in run_ranks(window4_worker, 4):
         for case, (got, want, err) in out.items():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
 
@@ -463,9 +564,10 @@ def convs_worker(rank: int, world: int, part: str) -> dict:
     model = tiny_family_model("lfm2_moe", seed=0)
     cm = moe_compile(model, spec)
     cm(input_ids=b, labels=b, use_cache=False)
-    gathers = [n for n in cm.program.graphs["forward"].graph.nodes if "moe_cp.all_gather" in str(n.target)]
-    # (gathered shape, dim) of each: the convolutions' halos [2cp, B, C, k − 1] along dim 0, no whole input
-    out["gathers"] = [(tuple(n.meta["val"].shape), n.args[1]) for n in gathers]
+    nodes = cm.program.graphs["forward"].graph.nodes
+    # (gathered shape, dim) of each all-gather: no whole input; the shape each halo exchange returns
+    out["gathers"] = [(tuple(n.meta["val"].shape), n.args[1]) for n in nodes if "moe_cp.all_gather" in str(n.target)]
+    out["halos"] = [tuple(n.meta["val"].shape) for n in nodes if "moe_cp.halo_exchange" in str(n.target)]
     out["conv_layers"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Conv1d))
     cm.close()
     return out
@@ -499,8 +601,8 @@ def _zaya_cases(spec, b: torch.Tensor, left: torch.Tensor) -> dict:
 def test_cp2_short_causal_convolutions(part):
     """Refused before: LFM2's convolution layers under context parallelism. Each short causal convolution
     (kernel 3 here; tokens at every shard boundary read the last tokens of another rank's chunk) convolves
-    each of this rank's chunks behind the k − 1 tokens before it, all-gathered from the chunks' ends
-    (passes/cp_convs.py; until 2026-12-06 it gathered the whole input); chunks of one token shorter than
+    each of this rank's chunks behind the k − 1 tokens before it, sent by the neighbouring rank
+    (passes/cp_convs.py; until 2026-12-06 it gathered the whole input, until 2026-12-07 every chunk's end); chunks of one token shorter than
     that take the whole sequence. Zaya's convolutional attention (refused before) runs on each chunk with
     the two tokens before it (models/hf_halos.py; with zero halos its gradients were 120% off). Loss and
     every gradient as the dense model's. Other convolutions are still refused."""
@@ -509,10 +611,10 @@ def test_cp2_short_causal_convolutions(part):
             assert "q_proj.bias" in out.pop("zaya biases"), out
             assert "sequence chunks of 1 tokens" in out.pop("zaya chunks_of_one"), out
         else:
-            k, gathers, convs = out.pop("kernel"), out.pop("gathers"), out.pop("conv_layers")
+            k, gathers, convs, halos = out.pop("kernel"), out.pop("gathers"), out.pop("conv_layers"), out.pop("halos")
             assert k > 1, out
-            halos = [shape for shape, dim in gathers if dim == 0 and len(shape) == 4 and shape[-1] == k - 1]
-            assert len(halos) == convs > 0 and halos[0][0] == 4, gathers  # 2cp chunks' halos, one gather per conv
+            # one exchange per conv, of the k − 1 tokens before each of the rank's 2 chunks: [2, B, C, k − 1]
+            assert len(halos) == convs > 0 and all(h[0] == 2 and h[-1] == k - 1 for h in halos), halos
             assert not any(dim == 2 and len(shape) == 3 for shape, dim in gathers), gathers  # no [B, C, S] input
         for case, (got, want, err) in out.items():
             assert abs(got - want) <= TOL * abs(want) and err <= TOL, (case, got, want, err)
@@ -618,6 +720,8 @@ def compressed_worker(rank: int, world: int, part: str) -> dict:
                                       and tuple(v.shape[2:]) == score})
         out["gathered"] = sorted({tuple(n.args[0].meta["val"].shape) for n in nodes
                                   if n.target is torch.ops.moe_cp.all_gather.default})
+        out["exchanged"] = sorted({tuple(n.args[0].meta["val"].shape) for n in nodes
+                                   if n.target is torch.ops.moe_cp.halo_exchange.default})
         out["head_dims"] = (cm.model.config.head_dim, cm.model.config.index_head_dim)
         cm.close()
         return out
@@ -655,10 +759,12 @@ def test_cp2_compressed_attention(part):
             assert out.pop("index_scores") == [(2, 32 // 2, 4, 8)], out
             hd, ihd = out.pop("head_dims")
             # all-gathered: the positions [B, S/cp], each layer's sliding keys [B, 1, S/cp, hd], HCA's 32/8/2
-            # entries and CSA's (and its indexer's) 32/4/2 per rank, CSA's halos [2 chunks, B, m = 4, 2·hd]
-            # (the window before each chunk, both projections); not the projections [B, S/cp, 2·hd]
+            # entries and CSA's (and its indexer's) 32/4/2 per rank; not the projections [B, S/cp, 2·hd].
+            # From the neighbouring ranks: CSA's halos [2 chunks, B, m = 4, 2·hd] (the window before each
+            # chunk, both projections)
             assert hd == ihd == 16, (hd, ihd)  # the tiny config's, which the shapes below spell out
-            assert out.pop("gathered") == sorted({(2, 16), (2, 1, 16, hd), (2, 2, hd), (2, 4, hd), (2, 2, 4, 2 * hd)})
+            assert out.pop("gathered") == sorted({(2, 16), (2, 1, 16, hd), (2, 2, hd), (2, 4, hd)}), out
+            assert out.pop("exchanged") == [(2, 2, 4, 2 * hd)], out
             dense = out.pop("dense")
             for feature in ("all_picked", "no_window", "no_entries"):  # each changes the loss: the case tests it
                 assert abs(out.pop(feature) - dense) > 1e-3, (feature, dense, out)

@@ -170,6 +170,25 @@ def test_explain_attention_with_sinks_at_cp2(tmp_path):
     assert not any("attention FLOPs need" in n for n in data["notes"]), data["notes"]
 
 
+def test_explain_sliding_window_halos(tmp_path):
+    """GPT-OSS with a sliding window of 8 over S=64 (layer 0 slides, layer 1 attends to every key): under
+    CP the sliding layer's queries take the 7 keys before each chunk from the neighbouring rank rather than
+    all 64 keys gathered. The CP figures against the config by hand (4 query and 2 K/V heads of 16, B=1,
+    fp32) at cp=2 and cp=4, and the cp=2 explain's attention FLOPs projected for cp=4 against the cp=4
+    explain's."""
+    two, four, _ = _cp_saved(tmp_path, "gpt_oss", 64, sliding_window=8)
+    heads, kv_heads, hd, s, reach, fp32 = 4, 2, 16, 64, 7, 4
+    full = 2 * kv_heads * s * hd * fp32  # layer 1's K and V, gathered whole
+    halos = 2 * 2 * kv_heads * reach * hd * fp32  # layer 0's K and V: the keys before each of the 2 chunks
+    for cp, cpd in ((2, two), (4, four)):
+        assert cpd["all_gathers"] == 2, cpd
+        assert (cpd["kv_gathered_bytes"], cpd["halo_bytes"]) == (full + halos, halos), cpd
+        assert cpd["cp_bytes_per_step"] == 2 * ((full + cpd["router_gathered_bytes"]) * (cp - 1) // cp + halos), cpd
+        flops = 3 * 4 * heads * (s // cp) * hd * (s + s // cp + 2 * reach)  # layer 1's keys, then layer 0's
+        assert cpd["attn_flops_per_step"] == flops, (cp, cpd["attn_flops_per_step"], flops)
+    assert next(r["attn_flops"] for r in two["scaling"] if r["cp"] == 4) == four["attn_flops_per_step"]
+
+
 def test_explain_indexed_attention_at_cp2(tmp_path):
     """DeepSeek-V3.2 (an indexer's top-k keys per query) was refused at cp > 1. Each layer now gathers its
     key latents (kv_lora_rank 16 + rope 8) and its indexer's keys (index_head_dim 16) before the indexer
@@ -213,8 +232,9 @@ def test_explain_compressed_attention_memory_shrinks_with_cp(tmp_path):
     """DeepSeek-V4's compressed layers under CP (models/hf_compressed.py) pool this rank's windows, gather
     the entries and score and attend for the shard's queries only: at S=256 (HCA windows of 8, CSA windows
     of 4) the saved activations at cp=4 are about half those at cp=2 (13.3 MB → 6.7 MB), within 2% of the
-    cp=2 explain's projection (0.1% here). What is gathered, against the config by hand: 51.2 KB at cp=2
-    (196.6 KB when the compressors pooled the whole sequence's projections)."""
+    cp=2 explain's projection (0.1% here). What is gathered, against the config by hand: 47.1 KB at cp=2
+    (196.6 KB when the compressors pooled the whole sequence's projections; 51.2 KB when every rank
+    gathered all chunks' halo windows)."""
     from .test_context_parallel import V4_COMPRESSED
 
     two, four, predicted = _cp_saved(tmp_path, "deepseek_v4", 256, **V4_COMPRESSED)
@@ -222,10 +242,10 @@ def test_explain_compressed_attention_memory_shrinks_with_cp(tmp_path):
     assert four["saved_bytes"] <= 0.55 * two["saved_bytes"], (two["saved_bytes"], four["saved_bytes"])
     assert abs(predicted - four["saved_bytes"]) <= 0.02 * four["saved_bytes"], (predicted, four["saved_bytes"])
     # the tiny config: an HCA layer (m' = 8) and a CSA one (m = 4), head_dim = index_head_dim = 16, fp32, B=1
-    s, hd, m, m_hca, cp, fp32 = 256, 16, 4, 8, 2, 4
+    s, hd, m, m_hca, fp32 = 256, 16, 4, 8, 4
     keys = 2 * s * hd * fp32  # each layer's sliding keys, whole
     entries = (s // m_hca + 2 * (s // m)) * hd * fp32  # HCA's; CSA's and its indexer's
-    halos = 2 * 2 * cp * 2 * m * 2 * hd * fp32  # (compressor, indexer) × (kv, gate) × cp ranks' 2 chunks' windows
+    halos = 2 * 2 * 2 * m * 2 * hd * fp32  # (compressor, indexer) × (kv, gate) × the 2 chunks' halo windows
     assert two["kv_gathered_bytes"] == keys + entries + halos, two["kv_gathered_bytes"]
 
 

@@ -11,11 +11,11 @@ module, while compiled, runs on each chunk with its halo in front, the two stack
     hidden_states, conv_mask [B, S/cp, …] → moe_cp::with_halos → [2B, reach + S/2cp, …]
     each output [2B, reach + S/2cp, …]    → its last S/2cp tokens, the two chunks back side by side
 
-The CP pass fills the marker in (every chunk's last ``reach`` tokens all-gathered, in sequence order;
-zeros before chunk 0). Exact where the module's own front padding equals a zero input: it pads the
+The CP pass fills the marker in (each chunk's last ``reach`` tokens sent to the neighbouring rank that
+needs them, moe_cp::halo_exchange; zeros before chunk 0). Exact where the module's own front padding equals a zero input: it pads the
 projected queries and keys with zeros, which a zero hidden state gives only without projection biases
 (refused with them), and its first delayed value is the delayed projection of a zero state, as here.
-Backward reduce-scatters the halos' gradient to the ranks that hold those tokens. A fresh cache (transformers
+Backward sends the halos' gradient back to the ranks that hold those tokens. A fresh cache (transformers
 makes one in training too) is left out of the module's call, so it keeps none of this layer's states.
 """
 

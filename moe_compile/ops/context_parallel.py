@@ -5,8 +5,12 @@
     moe_cp::reduce_scatter(g, dim, ctx, cp)   → Σ over the CP group of g, this rank's slice along dim
                                                 (all-reduce then slice: gloo has no reduce-scatter)
 
+    moe_cp::halo_exchange(tails, ctx, cp)     → the tails of the chunks before this rank's two, from its
+                                                neighbours; backward: moe_cp::halo_return
+
 K/V of attention travel through all_gather in forward and their gradients through reduce_scatter
-in backward (the all-gather form of context-parallel attention). ``moe_cp::to_sequence`` /
+in backward (the all-gather form of context-parallel attention); a sliding window's keys, and what a
+convolution or a pooling window reads back, through halo_exchange. ``moe_cp::to_sequence`` /
 ``moe_cp::from_sequence`` put a gathered tensor in sequence order and back (a causal convolution over the
 whole sequence: passes/cp_convs.py). Integer tensors (positions, the padding
 mask) have no gradient; ``moe_cp::causal_mask`` makes the attention mask over the gathered keys from them. ``cp`` is the group size, so that fake kernels know the gathered shape.
@@ -177,6 +181,40 @@ def _(kpos, kvalid, seq, cp, rank, packed, window, chunk):
     return kpos.new_empty((b, 1, seq // cp, seq), dtype=torch.bool)
 
 
+@torch.library.custom_op("moe_cp::window_mask", mutates_args=())
+def window_mask(kpos: torch.Tensor, kvalid: torch.Tensor | None, seq: int, cp: int, rank: int,
+                packed: bool, window: int) -> torch.Tensor:
+    """[b, 1, seq/cp, 2L] boolean mask of CP rank ``rank``'s queries (chunks r and 2cp−1−r) over its two key
+    spans (moe_cp halo_spans: each chunk after the L − seq/2cp tokens before it, L per span): the causal
+    sliding-window mask of transformers over those keys. A chunk's queries see only their own span (at
+    r = cp−1 the second span's halo is the first chunk's tail: seen once, from the first span), keys by
+    global token index: not before the sequence, key ≤ query, fewer than ``window`` tokens before it; within
+    one packed sequence when ``packed`` (``kpos`` [b, 2L], the spans' position ids, restart); not a padding
+    key (``kvalid`` [b, 2L], the spans' attention_mask, 0 at padding)."""
+    dev = kpos.device
+    half, span = seq // (2 * cp), kpos.shape[-1] // 2
+    b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
+    m = torch.zeros(b, 2 * half, 2 * span, dtype=torch.bool, device=dev)
+    for s, c in enumerate((rank, 2 * cp - 1 - rank)):
+        q = c * half + torch.arange(half, device=dev)
+        k = c * half - (span - half) + torch.arange(span, device=dev)
+        blk = ((k[None, :] <= q[:, None]) & (q[:, None] - k[None, :] < window) & (k[None, :] >= 0)).expand(b, -1, -1)
+        if packed:
+            p = kpos.expand(b, -1)[:, s * span:(s + 1) * span]
+            seg = (torch.diff(p, prepend=p[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            blk = blk & (seg[:, None, :] == seg[:, span - half:, None])  # a span's last half tokens are its queries
+        if kvalid is not None:
+            blk = blk & kvalid.expand(b, -1)[:, s * span:(s + 1) * span].bool()[:, None, :]
+        m[:, s * half:(s + 1) * half, s * span:(s + 1) * span] = blk
+    return m.unsqueeze(1)
+
+
+@window_mask.register_fake
+def _(kpos, kvalid, seq, cp, rank, packed, window):
+    b = max(kpos.shape[0], 1 if kvalid is None else kvalid.shape[0])
+    return kpos.new_empty((b, 1, seq // cp, kpos.shape[-1]), dtype=torch.bool)
+
+
 def _marker(name: str) -> RuntimeError:
     return RuntimeError(f"moe_cp::{name} marks where the context-parallel pass makes the sequence whole; it runs only "
                         "inside a program moe_compile built (the pass replaces it), not eagerly")
@@ -273,24 +311,85 @@ def _(x, reach, cp):
     return x.new_empty((2 * x.shape[0], reach + x.shape[1] // 2, *x.shape[2:]))
 
 
-def chunks_with_halos(x: torch.Tensor, dim: int, reach: int, ctx: int, cp: int, rank: int) -> torch.Tensor:
+def _swap(to_prev: torch.Tensor, to_next: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``to_prev`` to CP rank r−1 and ``to_next`` to r+1 (those that exist) in one all-to-all that
+    moves nothing between other ranks; returns what r−1 and r+1 sent this rank (zeros where none)."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    splits = [int(d in (r - 1, r + 1)) for d in range(n)]
+    sends = [t for d, t in ((r - 1, to_prev), (r + 1, to_next)) if 0 <= d < n]
+    got = to_prev.new_empty((sum(splits), *to_prev.shape))
+    dist.all_to_all_single(got, torch.stack(sends).contiguous(), splits, splits, group=group)
+    parts = iter(got)
+    from_prev = next(parts) if r >= 1 else torch.zeros_like(to_prev)
+    from_next = next(parts) if r + 1 < n else torch.zeros_like(to_prev)
+    return from_prev, from_next
+
+
+@torch.library.custom_op("moe_cp::halo_exchange", mutates_args=())
+def halo_exchange(tails: torch.Tensor, ctx: int, cp: int) -> torch.Tensor:
+    """``tails`` [2, …]: the last tokens of this rank's chunks r and 2cp−1−r. Returns [2, …], what comes
+    before each chunk in the sequence: chunk r−1's tail (rank r−1's first chunk; zeros before chunk 0) and
+    chunk 2cp−2−r's (rank r+1's second, or at r = cp−1 this rank's own first chunk). Only neighbours trade,
+    so a rank receives two tails whatever cp is (an all-gather of the tails brought 2cp). Backward:
+    moe_cp::halo_return."""
+    group = _group(ctx)
+    from_prev, from_next = _swap(tails[1], tails[0], group)
+    last = dist.get_rank(group) == cp - 1
+    return torch.stack([from_prev, tails[0] if last else from_next])
+
+
+@torch.library.custom_op("moe_cp::halo_return", mutates_args=())
+def halo_return(grad: torch.Tensor, ctx: int, cp: int) -> torch.Tensor:
+    """The gradient of moe_cp::halo_exchange's ``tails`` from that of its output: each halo's gradient goes
+    back to the rank whose tail it was and adds to it there."""
+    group = _group(ctx)
+    last = dist.get_rank(group) == cp - 1
+    from_prev, from_next = _swap(grad[0], grad[1], group)  # rank cp−1's second halo is its own first tail
+    return torch.stack([from_next + grad[1] if last else from_next, from_prev])
+
+
+@halo_exchange.register_fake
+def _(tails, ctx, cp):
+    return torch.empty_like(tails)
+
+
+@halo_return.register_fake
+def _(grad, ctx, cp):
+    return torch.empty_like(grad)
+
+
+def _setup_halos(ctx, inputs, output):
+    ctx.ctx_id, ctx.cp = inputs[1], inputs[2]
+
+
+halo_exchange.register_autograd(lambda ctx, g: (torch.ops.moe_cp.halo_return(g, ctx.ctx_id, ctx.cp), None, None),
+                                setup_context=_setup_halos)
+halo_return.register_autograd(lambda ctx, g: (torch.ops.moe_cp.halo_exchange(g, ctx.ctx_id, ctx.cp), None, None),
+                              setup_context=_setup_halos)
+
+
+def chunks_with_halos(x: torch.Tensor, dim: int, reach: int, ctx: int, cp: int) -> torch.Tensor:
     """This rank's two chunks of ``x`` (its S/cp tokens along ``dim``: chunks r, 2cp−1−r), each with the
     ``reach`` tokens before it in front, stacked: [2, …, reach + S/2cp along dim, …]. The chunks' last
-    ``reach`` tokens are all-gathered over the CP group in sequence order; zeros before chunk 0. Every
-    rank runs the same ops (its chunk indices are constants)."""
+    ``reach`` tokens travel to the ranks that need them (moe_cp::halo_exchange); zeros before chunk 0."""
     dim %= x.dim()
     half = x.shape[dim] // 2
     chunks = torch.stack([x.narrow(dim, 0, half), x.narrow(dim, half, half)])
-    tails = chunks.narrow(dim + 1, half - reach, reach)
-    ordered = torch.ops.moe_cp.to_sequence(torch.ops.moe_cp.all_gather(tails, 0, ctx, cp), 0, cp)
-    before = torch.cat([torch.zeros_like(ordered[:1]), ordered])  # before[c]: what precedes chunk c
-    return torch.cat([own_chunks(before, cp, rank), chunks], dim + 1)
+    before = torch.ops.moe_cp.halo_exchange(chunks.narrow(dim + 1, half - reach, reach).contiguous(), ctx, cp)
+    return torch.cat([before, chunks], dim + 1)
 
 
-def halo_batches(x: torch.Tensor, reach: int, ctx: int, cp: int, rank: int) -> torch.Tensor:
+def halo_batches(x: torch.Tensor, reach: int, ctx: int, cp: int) -> torch.Tensor:
     """What moe_cp::with_halos becomes: chunks_with_halos along the sequence (dim 1), flattened into the
     batch, [2B, reach + S/2cp, …]."""
-    return chunks_with_halos(x, 1, reach, ctx, cp, rank).flatten(0, 1)
+    return chunks_with_halos(x, 1, reach, ctx, cp).flatten(0, 1)
+
+
+def halo_spans(x: torch.Tensor, dim: int, reach: int, ctx: int, cp: int) -> torch.Tensor:
+    """This rank's two chunks of ``x`` along ``dim``, each after the ``reach`` tokens before it, side by side:
+    [… 2·(reach + S/2cp) …] (the keys of sliding-window attention, masked by moe_cp::window_mask)."""
+    spans = chunks_with_halos(x, dim, reach, ctx, cp)
+    return torch.cat([spans[0], spans[1]], dim % x.dim())
 
 
 def own_chunks(ordered: torch.Tensor, cp: int, rank: int) -> torch.Tensor:

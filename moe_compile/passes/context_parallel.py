@@ -20,7 +20,13 @@ are. A graph with no such node (the eager matmul-softmax form) or with dropout i
 naming the module; a pipeline stage with no attention module at all (MoE and MLP
 layers only) is left as it is. Sliding-window layers (api.cp_attention_windows: the config's
 window on its sliding layers) get the window in the same mask, by global token index, and chunked
-layers (api.cp_attention_chunks: Llama 4's attention_chunk_size) their chunks. Indexed attention
+layers (api.cp_attention_chunks: Llama 4's attention_chunk_size) their chunks. Where a window of W
+fits (W − 1 ≤ S/2cp: halo_reach), a sliding layer's keys are not gathered whole:
+
+    K = halo_spans(k) = [halo_r ‖ chunk_r ‖ halo_s ‖ chunk_s]   (halos: moe_cp::halo_exchange, s = 2cp−1−r)
+    mask = moe_cp::window_mask(halo_spans(position_ids), halo_spans(attention_mask), …)
+
+each chunk's queries over their own span only: S/cp + 2(W − 1) keys per rank instead of S. Indexed attention
 (DeepSeek-V3.2's, models/hf_indexed.py) builds its own mask over its keys, so it asks for the whole
 sequence before its indexer runs, through two markers this pass fills in, in sequence order:
 
@@ -58,7 +64,7 @@ import torch.nn.functional as F
 from ..attention_ops import ATTENTION, EFFICIENT, FUSED, SDPA, SINKS, attention_arg, no_sdpa_form
 from ..errors import UnsupportedFeatureError
 from ..ir import Stage
-from ..ops.context_parallel import halo_batches, scan_incoming_states
+from ..ops.context_parallel import halo_batches, halo_spans, scan_incoming_states
 from ..viz.graph import module_path
 from .base import PassContext, moe_pass, propagate_fake, user_line
 
@@ -134,29 +140,32 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         propagate_fake([pos])
     seq = shard * cp
     pad = next((n for n in nodes if n.op == "placeholder" and "attention_mask" in n.name), None)
-    masks: dict[tuple[bool, int, int], fx.Node] = {}  # (the model made the mask, window, chunk) → the CP mask
+    masks: dict[tuple, fx.Node] = {}  # (the model made the mask, window, chunk, halo reach) → the CP mask
 
-    gathered: dict[str, fx.Node] = {}  # position ids / padding mask gathered over the group: once per graph
+    gathered: dict[tuple, fx.Node] = {}  # position ids / padding mask over the group (or in halo spans): once per graph
 
-    def gather(name: str, x: fx.Node, at: fx.Node) -> fx.Node:
-        if name not in gathered:
+    def gather(name: str, x: fx.Node, at: fx.Node, reach: int = 0) -> fx.Node:
+        if (name, reach) not in gathered:
             with g.inserting_before(at):
-                gathered[name] = g.call_function(torch.ops.moe_cp.all_gather.default, (x, 1, prog.ctx_id, cp))
-            propagate_fake([gathered[name]])
-        return gathered[name]
+                gathered[(name, reach)] = g.call_function(halo_spans, (x, 1, reach, prog.ctx_id, cp)) if reach else \
+                    g.call_function(torch.ops.moe_cp.all_gather.default, (x, 1, prog.ctx_id, cp))
+            propagate_fake([gathered[(name, reach)]])
+        return gathered[(name, reach)]
 
-    def mask_for(model_made: bool, window: int, chunk: int, at: fx.Node) -> fx.Node:
-        if (model_made, window, chunk) not in masks:  # before its first user (attention nodes come in graph order)
-            kpos = gather("pos", pos, at)
-            kvalid = gather("pad", pad, at) if model_made and pad is not None else None
+    def mask_for(model_made: bool, window: int, chunk: int, at: fx.Node, reach: int = 0) -> fx.Node:
+        if (model_made, window, chunk, reach) not in masks:  # before its first user (attention nodes in graph order)
+            kpos = gather("pos", pos, at, reach)
+            kvalid = gather("pad", pad, at, reach) if model_made and pad is not None else None
             # transformers packs sequences by restarting position ids only when no attention_mask is given
             packed = model_made and pad is None and pos.op == "placeholder"
             with g.inserting_before(at):
-                mask = g.call_function(torch.ops.moe_cp.causal_mask.default,
-                                       (kpos, kvalid, seq, cp, prog.cp_rank, packed, window, chunk))
+                mask = g.call_function(torch.ops.moe_cp.window_mask.default,
+                                       (kpos, kvalid, seq, cp, prog.cp_rank, packed, window)) if reach else \
+                    g.call_function(torch.ops.moe_cp.causal_mask.default,
+                                    (kpos, kvalid, seq, cp, prog.cp_rank, packed, window, chunk))
             propagate_fake([mask])
-            masks[(model_made, window, chunk)] = mask
-        return masks[(model_made, window, chunk)]
+            masks[(model_made, window, chunk, reach)] = mask
+        return masks[(model_made, window, chunk, reach)]
 
     # keys made whole (the sequence's, then any entries the module appends: DeepSeek-V4's compressed ones)
     whole = {n for n in attn if int(_arg(n, 1).meta["val"].shape[-2]) >= seq and _reaches(_arg(n, 3), WHOLE_MASK)}
@@ -195,12 +204,19 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         model_made = given is not None
         causal = model_made or bool(_arg(n, 5, False))
         sdim = len(k.meta["val"].shape) - 2
-        mask = mask_for(model_made, _per_layer(n, prog.cp_windows, "the sliding window"),
-                        _per_layer(n, prog.cp_chunks, "the attention chunk"), n) if causal else None
+        window = _per_layer(n, prog.cp_windows, "the sliding window")
+        chunk = _per_layer(n, prog.cp_chunks, "the attention chunk")
+        reach = halo_reach(window, chunk, shard, cp) if causal else 0
+        mask = mask_for(model_made, window, chunk, n, reach) if causal else None
+        klen = shard + 2 * reach if reach else seq  # the keys each query row is given
         new: list[fx.Node] = []
         with g.inserting_before(n):
-            kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
-            vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, sdim, prog.ctx_id, cp))
+            if reach:  # a sliding window's keys: the rank's two chunks, each after the window − 1 keys before it
+                kg = g.call_function(halo_spans, (k, sdim, reach, prog.ctx_id, cp))
+                vg = g.call_function(halo_spans, (v, sdim, reach, prog.ctx_id, cp))
+            else:
+                kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
+                vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, sdim, prog.ctx_id, cp))
             new += [kg, vg]
             if n.target in SINKS:  # the sinks stay per head: one column beside the gathered keys
                 out = g.call_function(torch.ops.moe_cp.sink_attention.default,
@@ -223,8 +239,7 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
                 if n.target in EFFICIENT:  # its bias is positional and must hold every head
                     bias = kwargs.pop("attn_mask", None)
                     if bias is not None:
-                        bias = g.call_function(torch.Tensor.expand, (bias, *q.meta["val"].shape[:-1],
-                                                                     k.meta["val"].shape[-2] * cp))
+                        bias = g.call_function(torch.Tensor.expand, (bias, *q.meta["val"].shape[:-1], klen))
                         new.append(bias)
                     out = g.call_function(n.target, (q, kg, vg, bias, True, 0.0, False), kwargs)
                 else:
@@ -257,7 +272,7 @@ def _fill_sequence_markers(g: fx.Graph, prog, cp: int) -> int:
                         f"{_where(n)}: sequence chunks of {shard // 2} tokens under context parallelism (cp={cp}), "
                         f"shorter than the {reach} tokens before each that this module reads; use longer sequences "
                         "or a smaller cp")
-                out = g.call_function(halo_batches, (x, reach, prog.ctx_id, cp, prog.cp_rank))
+                out = g.call_function(halo_batches, (x, reach, prog.ctx_id, cp))
                 _replace(g, n, out, [out])
                 continue
             if n.target in INCOMING_STATES:  # models/hf_state_passing.py: the mixer itself runs on the shard
@@ -362,6 +377,16 @@ def _refuse_length_positions(g: fx.Graph, shard: int, prog, cp: int) -> None:
             f"to the model as position_ids, but the captured graph reads none and makes positions from the length "
             f"it sees (arange({shard}), this rank's shard only){user_line(n)}: the model's forward must accept "
             "position_ids and use them, or use cp=1")
+
+
+def halo_reach(window: int, chunk: int, shard: int, cp: int) -> int:
+    """The keys before each of a rank's two chunks that a sliding window of ``window`` tokens reads (window − 1),
+    where they lie in the chunk before (S/2cp tokens) and the two chunks with them are fewer keys than the
+    whole sequence; else 0: the keys are gathered whole and masked (chunked layers too)."""
+    reach = window - 1
+    if window <= 1 or chunk or reach > shard // 2 or shard + 2 * reach >= shard * cp:
+        return 0
+    return reach
 
 
 def _per_layer(n: fx.Node, table: dict[str, int], what: str) -> int:

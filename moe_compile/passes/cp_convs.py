@@ -4,14 +4,14 @@ Glossary: C / CP, S. Short causal convolutions (LFM2's conv layers, the short co
 attention, Inkling's key and value convolutions: depthwise, kernel k, padding k − 1, the output's first
 tokens kept) mix each token with the k − 1 before it, which under context parallelism lie on another rank
 at every shard boundary (a shard is chunks r and 2cp−1−r of 2cp). This pass gives each of the rank's two
-chunks its halo, the k − 1 tokens before it: every rank's chunks' last k − 1 tokens are all-gathered
-([2cp, B, C, k − 1], sequence order; a zero halo before chunk 0, the convolution's own padding), and
+chunks its halo, the k − 1 tokens before it: each chunk's last k − 1 tokens go to the neighbouring rank
+that needs them (moe_cp::halo_exchange; a zero halo before chunk 0, the convolution's own padding), and
 each chunk is convolved unpadded behind its halo:
 
     y' = pad(cat(conv1d(halo_r ‖ chunk_r), conv1d(halo_s ‖ chunk_s)), (0, k − 1))    s = 2cp−1−r
 
 y' has the shape of the node it replaces, whose users keep its first S/cp positions as before; backward
-reduce-scatters the halos' gradient to the ranks that hold those tokens. Where a chunk is shorter than
+sends the halos' gradient back to the ranks that hold those tokens (moe_cp::halo_return). Where a chunk is shorter than
 k − 1 the halo would span several chunks: the whole sequence is gathered, convolved in sequence order
 and this rank's tokens kept instead. A conv1d over the shard's sequence that is not of this form
 (strided, dilated, not padded by k − 1, or read past the shard's first S/cp outputs) is refused, naming
@@ -81,7 +81,7 @@ def _reads_prefix(user: fx.Node, n: fx.Node, length: int) -> bool:
 def _with_halos(g: fx.Graph, x: fx.Node, a: dict, k: int, shard: int, cp: int, prog) -> list[fx.Node]:
     """The convolution over this rank's chunks, each with its k − 1 halo tokens: [B, C, S/cp], this rank's
     outputs in its own order (no padding needed: the halo is the causal context)."""
-    haloed = g.call_function(chunks_with_halos, (x, -1, k - 1, prog.ctx_id, cp, prog.cp_rank))
+    haloed = g.call_function(chunks_with_halos, (x, -1, k - 1, prog.ctx_id, cp))
     flat = g.call_function(torch.flatten, (haloed, 0, 1))  # [2B, C, k − 1 + S/2cp]
     conv = g.call_function(torch.conv1d, (flat, a["weight"], a["bias"], 1, 0, 1, a["groups"]))
     pair = g.call_function(torch.unflatten, (conv, 0, (2, -1)))
