@@ -468,7 +468,8 @@ def window_worker(rank: int, world: int, part: str) -> dict:
     out["keys"] = [tuple(n.args[1].meta["val"].shape) for n in nodes if "scaled_dot_product" in str(n.target)]
     out["exchanged"] = [tuple(n.args[0].meta["val"].shape) for n in nodes if "moe_cp.halo_exchange" in str(n.target)]
     out["kv_gathers"] = [n for n in nodes if "moe_cp.all_gather" in str(n.target) and n.meta["val"].dim() >= 3]
-    out["config"] = (cm.model.config.num_hidden_layers, cm.model.config.num_attention_heads, cm.model.config.head_dim)
+    c = cm.model.config
+    out["config"] = (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
     cm.close()
     out["kv_gathers"] = len(out["kv_gathers"])
     return out
@@ -481,13 +482,16 @@ def test_cp2_sliding_window_attention(part):
     window 4 over 32 tokens the dense losses differ from full attention's by 1e-4 to 2e-2; loss and every
     gradient as the dense model's. Each chunk's queries attend to that chunk after the 3 keys before it,
     sent by the neighbouring rank: 16 + 2·3 keys per rank, not the sequence's 32 gathered
-    (moe_cp::halo_exchange, moe_cp::window_mask; until 2026-12-07 every sliding layer gathered them all)."""
+    (moe_cp::halo_exchange, moe_cp::window_mask; until 2026-12-07 every sliding layer gathered them all),
+    and they travel with their own K/V heads, repeated for GQA after (before, repeated to the query's)."""
     for out in run_ranks(window_worker, 2, part):
         if part == "core":
-            layers, heads, hd = out.pop("config")  # K/V heads as SDPA is given them (transformers repeats them)
+            layers, heads, kv_heads, hd = out.pop("config")
+            assert kv_heads < heads, (kv_heads, heads)  # GQA: the case tests that K/V travel unrepeated
+            # SDPA is given K/V repeated to the query heads, as transformers repeats them
             assert out.pop("keys") == [(2, heads, 16 + 2 * 3, hd)] * layers, out
-            # K, V and the positions: the 3 tokens before each of the 2 chunks
-            assert sorted(out.pop("exchanged")) == sorted([(2, 2, 3)] + [(2, 2, heads, 3, hd)] * 2 * layers), out
+            # K, V (their own heads) and the positions: the 3 tokens before each of the 2 chunks
+            assert sorted(out.pop("exchanged")) == sorted([(2, 2, 3)] + [(2, 2, kv_heads, 3, hd)] * 2 * layers), out
             assert out.pop("kv_gathers") == 0, out
             assert abs(out.pop("unpacked_loss") - out["mixtral_packed"][1]) > 1e-3, out  # the packing matters
         for case, (got, want, err) in out.items():

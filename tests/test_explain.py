@@ -189,6 +189,16 @@ def test_explain_sliding_window_halos(tmp_path):
     assert next(r["attn_flops"] for r in two["scaling"] if r["cp"] == 4) == four["attn_flops_per_step"]
 
 
+def test_explain_gqa_keys_travel_with_their_own_heads(tmp_path):
+    """Mixtral (4 query heads, 2 K/V heads of 16; transformers repeats K/V to the query heads before SDPA
+    when given a mask) at cp=2 over S=64: the all-gathers carry the 2 K/V heads and the repeat runs after
+    them (before 2026-12-07 they carried the repeated 4). By hand: 2 layers × K, V × 2 heads × 64 × 16 fp32."""
+    cpd = _explain_family(tmp_path, "mixtral", "dp=1,cp=2", 64, sliding_window=None)["context_parallel"]
+    layers, kv_heads, hd, s = 2, 2, 16, 64
+    assert cpd["all_gathers"] == 2 * layers
+    assert cpd["kv_gathered_bytes"] == 2 * layers * kv_heads * s * hd * 4, cpd["kv_gathered_bytes"]
+
+
 def test_explain_indexed_attention_at_cp2(tmp_path):
     """DeepSeek-V3.2 (an indexer's top-k keys per query) was refused at cp > 1. Each layer now gathers its
     key latents (kv_lora_rank 16 + rope 8) and its indexer's keys (index_head_dim 16) before the indexer

@@ -211,13 +211,22 @@ def context_parallel_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         klen = shard + 2 * reach if reach else seq  # the keys each query row is given
         new: list[fx.Node] = []
         with g.inserting_before(n):
-            if reach:  # a sliding window's keys: the rank's two chunks, each after the window − 1 keys before it
-                kg = g.call_function(halo_spans, (k, sdim, reach, prog.ctx_id, cp))
-                vg = g.call_function(halo_spans, (v, sdim, reach, prog.ctx_id, cp))
-            else:
-                kg = g.call_function(torch.ops.moe_cp.all_gather.default, (k, sdim, prog.ctx_id, cp))
-                vg = g.call_function(torch.ops.moe_cp.all_gather.default, (v, sdim, prog.ctx_id, cp))
-            new += [kg, vg]
+            kv = []
+            for x in (k, v):  # K/V heads travel once, repeated for GQA after (transformers repeats before SDPA)
+                x0, heads = _unrepeated(x)
+                if reach:  # a sliding window's keys: the rank's two chunks, each after the window − 1 keys before it
+                    xg = g.call_function(halo_spans, (x0, sdim, reach, prog.ctx_id, cp))
+                else:
+                    xg = g.call_function(torch.ops.moe_cp.all_gather.default, (x0, sdim, prog.ctx_id, cp))
+                new.append(xg)
+                if x0 is not x:
+                    b, h0, _, d = x0.meta["val"].shape
+                    xg = g.call_function(torch.unsqueeze, (xg, 2))
+                    xg = g.call_function(torch.Tensor.expand, (xg, b, h0, heads // h0, klen, d))
+                    xg = g.call_function(torch.reshape, (xg, (b, heads, klen, d)))
+                    new += [xg.args[0].args[0], xg.args[0], xg]
+                kv.append(xg)
+            kg, vg = kv
             if n.target in SINKS:  # the sinks stay per head: one column beside the gathered keys
                 out = g.call_function(torch.ops.moe_cp.sink_attention.default,
                                       (q, kg, vg, attention_arg(n, "sinks"), mask, False, _arg(n, 6)))
@@ -377,6 +386,30 @@ def _refuse_length_positions(g: fx.Graph, shard: int, prog, cp: int) -> None:
             f"to the model as position_ids, but the captured graph reads none and makes positions from the length "
             f"it sees (arange({shard}), this rank's shard only){user_line(n)}: the model's forward must accept "
             "position_ids and use them, or use cp=1")
+
+
+def _unrepeated(x: fx.Node) -> tuple[fx.Node, int]:
+    """(the K/V node before transformers' repeat_kv, the repeated head count) where ``x`` [B, H, S, D] is
+    ``x0[:, :, None].expand(B, H0, H/H0, S, D).reshape(B, H, S, D)`` of an ``x0`` [B, H0, S, D]; else (x, H)."""
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 4 or x.op not in ("call_method", "call_function") \
+            or "reshape" not in str(x.target) and "view" not in str(x.target) or not x.args:
+        return x, 0
+    ex = x.args[0]
+    if not isinstance(ex, fx.Node) or "expand" not in str(ex.target) or not ex.args:
+        return x, 0
+    ins = ex.args[0]  # x0[:, :, None] (or x0.unsqueeze(2), a view to [B, H0, 1, S, D])
+    x0 = ins.args[0] if isinstance(ins, fx.Node) and ins.args and isinstance(ins.args[0], fx.Node) \
+        and any(f in str(ins.target) for f in ("getitem", "unsqueeze", "view", "reshape")) else None
+    v0, vins, vex = (getattr(n, "meta", {}).get("val") for n in (x0, ins, ex))
+    if not all(isinstance(t, torch.Tensor) for t in (v0, vins, vex)) or v0.dim() != 4:
+        return x, 0
+    b, h0, s, d = v0.shape
+    heads = val.shape[1]
+    if tuple(vins.shape) != (b, h0, 1, s, d) or tuple(vex.shape) != (b, h0, heads // h0, s, d) \
+            or tuple(val.shape) != (b, heads, s, d) or heads % h0 or heads == h0:
+        return x, 0
+    return x0, int(heads)
 
 
 def halo_reach(window: int, chunk: int, shard: int, cp: int) -> int:
