@@ -311,14 +311,20 @@ def _(x, reach, cp):
     return x.new_empty((2 * x.shape[0], reach + x.shape[1] // 2, *x.shape[2:]))
 
 
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1).view(torch.uint8)
+
+
 def _swap(to_prev: torch.Tensor, to_next: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Send ``to_prev`` to CP rank r−1 and ``to_next`` to r+1 (those that exist) in one all-to-all that
     moves nothing between other ranks; returns what r−1 and r+1 sent this rank (zeros where none)."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     splits = [int(d in (r - 1, r + 1)) for d in range(n)]
     sends = [t for d, t in ((r - 1, to_prev), (r + 1, to_next)) if 0 <= d < n]
-    got = to_prev.new_empty((sum(splits), *to_prev.shape))
-    dist.all_to_all_single(got, torch.stack(sends).contiguous(), splits, splits, group=group)
+    send = torch.stack(sends).contiguous()
+    got = send.new_empty((sum(splits), *to_prev.shape))
+    # as bytes, so that any dtype travels (gloo has no float8)
+    dist.all_to_all_single(_bytes(got), _bytes(send), splits, splits, group=group)
     parts = iter(got)
     from_prev = next(parts) if r >= 1 else torch.zeros_like(to_prev)
     from_next = next(parts) if r + 1 < n else torch.zeros_like(to_prev)
