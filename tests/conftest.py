@@ -34,6 +34,17 @@ def pytest_configure(config):
     _OWN_LOG.append(path)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # Longest first: with -n 2 the workers take tests in collection order, and a test of minutes left to
+    # the end kept one worker busy while the other stood idle. Stable, and the same order on every worker.
+    # @pytest.mark.long(minutes): the longest of them first
+    def minutes(item) -> float:
+        mark = item.get_closest_marker("long")
+        return -(mark.args[0] if mark is not None and mark.args else 1 if mark is not None else 0)
+
+    items.sort(key=minutes)
+
+
 def pytest_sessionfinish(session, exitstatus):
     # Only the controlling process (not an xdist worker) sees the whole suite finished.
     if hasattr(session.config, "workerinput"):

@@ -30,6 +30,7 @@ def test_train_two_ranks_writes_metrics(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+@pytest.mark.long(2)
 def test_train_context_parallel_matches_one_rank(tmp_path):
     """`train --mesh cp=2` refused the tiny model (its in-block router losses would see one sequence shard),
     then trained only with --no-router-aux-loss; its blocks now gather the CP group's router logits, and

@@ -746,6 +746,7 @@ def compressed_worker(rank: int, world: int, part: str) -> dict:
 
 
 @pytest.mark.parametrize("part", core_and_rest("core", "rest"))
+@pytest.mark.long(2)
 def test_cp2_compressed_attention(part):
     """Refused before: DeepSeek-V4's compressed attention layers (CSA and HCA) under context parallelism, as
     each module's compressor pools windows of the tokens it is given and its indexer picks among those
@@ -829,6 +830,7 @@ def _check_linear(out: dict) -> None:
 
 
 @pytest.mark.parametrize("part", core_and_rest("core", "rest"))
+@pytest.mark.long(2)
 def test_cp2_linear_attention(part):
     """Refused before: linear-attention layers under context parallelism (their state runs from token to
     token across the shards). A delta rule runs on each rank's own chunks from the states they enter with,
@@ -884,6 +886,7 @@ def _check_mamba(out: dict) -> None:
 
 
 @pytest.mark.parametrize("part", core_and_rest("core", "rest"))
+@pytest.mark.long
 def test_cp2_mamba_layers_pass_states(part):
     """Refused before (Jamba, GraniteMoE-Hybrid) or run on the whole sequence (Nemotron-H's mixer): Mamba
     layers under context parallelism. Each rank scans its own chunks from a zero state, and adds what the
@@ -999,6 +1002,7 @@ def no_positions_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.long
 def test_cp2_models_without_position_ids():
     """Refused before: a model that reads no position ids (NoPE attention, as Nemotron-H's) is exact under
     CP; the causal mask takes the shard's global positions. One that makes positions from the length it
@@ -1045,6 +1049,7 @@ def test_a_kv_cache_passed_as_cache_is_refused():
     assert shard_batch({"input_ids": ids, "cache": None}, 2, 0)["input_ids"].shape == (2, 4)
 
 
+@pytest.mark.long
 def test_context_parallel_bad_input_is_a_clear_error():
     for rank, (msgs, (whole, as_tuple, want, given)) in enumerate(run_ranks(bad_cp_worker, 2)):
         assert len(msgs) == 12, msgs
@@ -1198,6 +1203,7 @@ def lb_variants_worker(rank: int, world: int) -> dict:
             "tuple": (tup[0].item(), tup[1].item()), "tuple_aux_only": tup_nolab[0].item()}
 
 
+@pytest.mark.long
 def test_load_balancing_loss_of_a_subclass_and_as_a_tuple():
     """Found in review: a subclass of a transformers CausalLM (its forward's module holds no
     load_balancing_loss_func) ran its parent's on each shard, aux 4.12 for 2.06; return_dict=False left

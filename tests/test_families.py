@@ -103,6 +103,7 @@ def test_representative_families_are_registered():
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("families", SWEEPS)
+@pytest.mark.long(4)
 def test_one_rank_every_family(families):
     """Every family, in sweeps of one spawned process each (so dynamo state stays out of the test process):
     parity or a clear error; the families that cannot be checked still crash (strict: one that starts working
@@ -129,6 +130,7 @@ def test_one_rank_every_family(families):
 ROUTER_LOGIT_FAMILIES = ("olmoe", "llama4_text", "dbrx", "qwen2_moe")
 
 
+@pytest.mark.long(2)
 def test_router_logits_match_the_dense_model():
     """output_router_logits=True: the loss with the family's load-balancing term and ``aux_loss`` itself
     match the dense model's, and every gradient."""

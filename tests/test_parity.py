@@ -103,6 +103,7 @@ def check(results: list[dict], expect_drops: bool = False, expect_empty: bool = 
 
 
 @pytest.mark.parametrize("mesh", ["ep_mp=1"])
+@pytest.mark.long
 def test_single_rank(mesh):
     check(run_ranks(parity_worker, 1, MODELS, mesh, "random", None))
 

@@ -133,6 +133,7 @@ EP_SCHEDULE_CASES = {
 
 
 @pytest.mark.parametrize("part", core_and_rest("core", "rest"))
+@pytest.mark.long
 def test_pipeline_ep_schedules_four_ranks(part):
     """pp=2 × ep_mp=2: GPipe, 1F1B, Interleaved1F1B on the tiny LM, 1F1B on OLMoE (with its load-balancing
     loss: the router logits of stage 0 travel to the last stage across the boundary), and a first stage
@@ -672,6 +673,7 @@ def check_pp_cp(results) -> None:
 
 
 @pytest.mark.parametrize("names", core_and_rest(("tiny", "llama4_tuned"), ("olmoe", "family:nemotron_h")))
+@pytest.mark.long
 def test_pipeline_with_context_parallelism(names):
     """pp=2 × cp=2 (4 ranks, one replica): 1F1B over the sequence shards, the tiny LM, OLMoE and Llama 4
     with attention temperature tuning (a NoPE layer on each stage: the later stage's positions come from
@@ -769,6 +771,7 @@ def test_pipeline_call_options_are_not_silently_those_of_the_first_call():
         assert r["error"] is not None and "output_router_logits" in r["error"], r
 
 
+@pytest.mark.long
 def test_a_layer_that_is_the_moe_block_and_per_layer_inputs_from_later_modules():
     """Gemma 4: each decoder layer is itself the MoE block (router and experts are its children), which the
     layer-list search skipped ("not inside an nn.ModuleList of layers"); the layers read per-layer inputs
@@ -851,6 +854,7 @@ def test_ledger_after_a_real_pipeline_step(tmp_path):
     assert run_ranks(dense_stage_ledger_worker, 2) == [2 * 16, 2 * 16]
 
 
+@pytest.mark.long
 def test_train_summary_reads_the_stage_programs(tmp_path):
     """`moe-compile train` at pp > 1 summarised the whole program's graphs, which a pipeline never
     captures: "recompute full (None ops)". It reads the rank's stage programs: the ops they recompute."""

@@ -98,24 +98,17 @@ def from_sequence(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
     return x.index_select(dim, _gathered_index(x.shape[dim], cp, x.device))
 
 
-@to_sequence.register_fake
-def _(x, dim, cp):
-    return torch.empty_like(x)
+def _adjoints(op, other) -> None:
+    """Register two linear custom ops of (x, *ints) → x's shape as each other's backward, fakes of x's shape."""
+    def setup(ctx, inputs, output):
+        ctx.ints = inputs[1:]
+
+    for a, b in ((op, other), (other, op)):
+        a.register_fake(lambda x, *ints: torch.empty_like(x))
+        a.register_autograd(lambda ctx, g, b=b: (b(g, *ctx.ints), *(None,) * len(ctx.ints)), setup_context=setup)
 
 
-@from_sequence.register_fake
-def _(x, dim, cp):
-    return torch.empty_like(x)
-
-
-def _setup_order(ctx, inputs, output):
-    ctx.dim, ctx.cp = inputs[1], inputs[2]
-
-
-to_sequence.register_autograd(lambda ctx, g: (torch.ops.moe_cp.from_sequence(g, ctx.dim, ctx.cp), None, None),
-                              setup_context=_setup_order)
-from_sequence.register_autograd(lambda ctx, g: (torch.ops.moe_cp.to_sequence(g, ctx.dim, ctx.cp), None, None),
-                                setup_context=_setup_order)
+_adjoints(to_sequence, from_sequence)
 
 
 @torch.library.custom_op("moe_cp::positions", mutates_args=())
@@ -354,24 +347,7 @@ def halo_return(grad: torch.Tensor, ctx: int, cp: int) -> torch.Tensor:
     return torch.stack([from_next + grad[1] if last else from_next, from_prev])
 
 
-@halo_exchange.register_fake
-def _(tails, ctx, cp):
-    return torch.empty_like(tails)
-
-
-@halo_return.register_fake
-def _(grad, ctx, cp):
-    return torch.empty_like(grad)
-
-
-def _setup_halos(ctx, inputs, output):
-    ctx.ctx_id, ctx.cp = inputs[1], inputs[2]
-
-
-halo_exchange.register_autograd(lambda ctx, g: (torch.ops.moe_cp.halo_return(g, ctx.ctx_id, ctx.cp), None, None),
-                                setup_context=_setup_halos)
-halo_return.register_autograd(lambda ctx, g: (torch.ops.moe_cp.halo_exchange(g, ctx.ctx_id, ctx.cp), None, None),
-                              setup_context=_setup_halos)
+_adjoints(halo_exchange, halo_return)
 
 
 def chunks_with_halos(x: torch.Tensor, dim: int, reach: int, ctx: int, cp: int) -> torch.Tensor:
