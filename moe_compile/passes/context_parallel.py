@@ -390,7 +390,7 @@ def _refuse_length_positions(g: fx.Graph, shard: int, prog, cp: int) -> None:
 
 def _unrepeated(x: fx.Node) -> tuple[fx.Node, int]:
     """(the K/V node before transformers' repeat_kv, the repeated head count) where ``x`` [B, H, S, D] is
-    ``x0[:, :, None].expand(B, H0, H/H0, S, D).reshape(B, H, S, D)`` of an ``x0`` [B, H0, S, D]; else (x, H)."""
+    ``x0[:, :, None].expand(B, H0, H/H0, S, D).reshape(B, H, S, D)`` of an ``x0`` [B, H0, S, D]; else (x, 0)."""
     val = x.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 4 or x.op not in ("call_method", "call_function") \
             or "reshape" not in str(x.target) and "view" not in str(x.target) or not x.args:
